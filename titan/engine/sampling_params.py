@@ -1,0 +1,61 @@
+"""Per-request sampling parameters, validated at construction (names follow OpenAI and vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI-style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs of each sampled position (plus the sampled token)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must not exceed max_tokens"),
+            (self.temperature >= 0.0, "temperature", "must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be -1 (disabled) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise InvalidParameterError(name, f"{name} {message}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter is out of range; `param` names it (maps to an HTTP 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,72 @@
+"""The only contract between the scheduler (which decides) and the model runner (which computes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from titan.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: compute `token_ids` at positions `start_position`...
+
+    `block_table` maps positions to physical KV blocks and already covers every new position.
+    When `sample` is true, the last new token's logits produce the sequence's next token.
+    `prompt_token_ids` / `output_token_ids` are the full history (read-only; penalties use it).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_length(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One engine step: decodes (one new token each) come first, then prefill chunks."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token plus the top-N alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass
+class RunnerOutput:
+    """What a step produced: one token per sampled sequence, in `scheduled` order."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
