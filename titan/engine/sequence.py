@@ -48,6 +48,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit of the first admission
         self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks (prefix caching); tokens never change, so they
+        # stay valid across preemption.
+        self.block_hashes: list[int] = []
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # A private generator makes seeded sampling independent of the batch it runs in.

@@ -1,0 +1,163 @@
+"""Paged KV cache bookkeeping: block tables, free list, reference counts and prefix caching.
+
+A full block is identified by a hash chained over its parent's hash and its own token ids, so equal
+prefixes map to equal blocks. Blocks are shared by reference count; a block whose count drops to zero
+keeps its cached content and waits in the free list (least recently used first) until a new allocation
+needs it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from titan.engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is eviction order: the front is reused first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        # Per sequence: how many of its full blocks are registered in the prefix cache.
+        self.num_registered_blocks: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached but unreferenced blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Extend the sequence's chained block hashes to cover `num_full_blocks` blocks."""
+        hashes = seq.block_hashes
+        size = self.block_size
+        for index in range(len(hashes), num_full_blocks):
+            parent = hashes[-1] if hashes else None
+            tokens = tuple(seq.token_ids_slice(index * size, (index + 1) * size))
+            hashes.append(hash((parent, tokens)))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of `seq` (takes no references).
+
+        At least one token is always left to compute, because sampling needs its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        for block_hash in self._block_hashes(seq, seq.num_tokens // self.block_size):
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        if len(found) * self.block_size >= seq.num_tokens:
+            found.pop()
+        return found
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the sequence's blocks that will be full once `num_tokens` tokens are computed.
+
+        Safe before the step runs: within a step every layer writes the new K/V before any attention
+        reads the cache, so a later reader always sees complete blocks.
+        """
+        start = self.num_registered_blocks.get(seq.seq_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self._block_hashes(seq, end)
+        for index in range(start, end):
+            block = self.blocks[seq.block_table[index]]
+            if block.block_hash is None and hashes[index] not in self.hash_to_block:
+                block.block_hash = hashes[index]
+                self.hash_to_block[hashes[index]] = block.block_id
+        self.num_registered_blocks[seq.seq_id] = end
+
+    # ---- allocation --------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached content
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        total_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        held = len(seq.block_table) + len(cached_blocks)
+        reclaimed = sum(1 for block_id in cached_blocks if self.blocks[block_id].ref_count == 0)
+        return total_blocks - held <= self.num_free_blocks - reclaimed
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make `seq.block_table` cover `num_new_tokens` more tokens; False (and no change) if it can't.
+
+        `cached_blocks` (from `find_cached_prefix`, for a sequence with no blocks yet) are shared, and
+        `seq.num_computed_tokens` must already count their tokens.
+        """
+        if not self.can_allocate(seq, num_new_tokens, cached_blocks):
+            return False
+        if cached_blocks:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(cached_blocks) * self.block_size
+        elif not seq.block_table and self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        if cached_blocks:
+            self.num_registered_blocks[seq.seq_id] = len(cached_blocks)
+        total_tokens = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) < cdiv(total_tokens, self.block_size):
+            seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, total_tokens)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq`. Tail blocks go first in line for reuse: they are the least
+        likely to be shared; blocks without cached content go to the very front."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.block_hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table = []
+        self.num_registered_blocks.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached content (blocks in use keep their data)."""
+        for block in self.blocks:
+            block.block_hash = None
+        self.hash_to_block.clear()
