@@ -1,0 +1,127 @@
+"""The engine: requests in, one scheduled step at a time, request outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from titan.config import EngineConfig
+from titan.engine.block_manager import BlockManager
+from titan.engine.model_runner import ModelRunner
+from titan.engine.outputs import OutputProcessor, RequestOutput
+from titan.engine.sampler import Sampler
+from titan.engine.sampling_params import SamplingParams
+from titan.engine.scheduler import Scheduler
+from titan.engine.sequence import Sequence, SequenceStatus
+from titan.loader import load_model_files
+from titan.tokenizer import Tokenizer
+
+logger = logging.getLogger("titan.engine")
+
+# On CPU the cache is ordinary RAM shared with everything else; 1 GiB holds ~23k tokens of the
+# default model, far more than two cores can keep busy.
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+# On CUDA take this share of the memory left after the weights (like vLLM's gpu_memory_utilization).
+CUDA_KV_CACHE_FRACTION = 0.8
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    if dtype == "auto":
+        if device == "cpu":
+            dtype = "float32"
+        else:
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return torch.device(device), getattr(torch, dtype)
+
+
+def kv_cache_blocks(
+    config: EngineConfig, bytes_per_block: int, device: torch.device, max_model_len: int
+) -> int:
+    """Blocks in the KV pool: from --kv-cache-memory, else an automatic share of the device."""
+    if config.cache.kv_cache_memory_gib is not None:
+        budget = config.cache.kv_cache_memory_gib * 2**30
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * CUDA_KV_CACHE_FRACTION
+    else:
+        # Never more than every sequence at full length could use.
+        useful = config.scheduler.max_num_seqs * max_model_len * (bytes_per_block / config.cache.block_size)
+        budget = min(DEFAULT_CPU_KV_CACHE_GIB * 2**30, useful)
+    num_blocks = int(budget // bytes_per_block)
+    if num_blocks < 2:
+        raise ValueError(f"--kv-cache-memory is too small: it holds {num_blocks} blocks")
+    return num_blocks
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.config = config
+        files = load_model_files(config.model)
+        self.model_name = files.name
+        self.model_config = files.config
+        self.tokenizer = Tokenizer.from_folder(files.folder)
+        self.device, self.dtype = resolve_device(config.device, config.dtype)
+        self.max_model_len = config.max_model_len or files.config.max_position_embeddings
+        block_size = config.cache.block_size
+        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(files.config, block_size, self.dtype)
+        self.num_blocks = kv_cache_blocks(config, bytes_per_block, self.device, self.max_model_len)
+        self.block_manager = BlockManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
+        eos = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos)
+        sampler = Sampler(eos, seed=config.seed)
+        self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
+                                  self.dtype, sampler)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.requests: dict[str, Sequence] = {}
+        self.load_seconds = time.perf_counter() - started
+        logger.info("loaded %s on %s/%s in %.2f s: %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_name, self.device, self.dtype, self.load_seconds, self.num_blocks, block_size,
+                    self.max_model_len)
+
+    def warmup(self) -> None:
+        self.runner.warmup(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_num_seqs)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Sequence:
+        """Queue a request; raises RequestRejectedError if it can never fit."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id, priority)
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.scheduler.add(seq)
+        self.output_processor.add(seq)
+        self.requests[seq.request_id] = seq
+        return seq
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        advanced = self.scheduler.update(scheduler_output, runner_output)
+        outputs = self.output_processor.process(advanced, runner_output)
+        for output in outputs:
+            if output.finished:
+                self.requests.pop(output.request_id, None)
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return self.output_processor.aborted(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished

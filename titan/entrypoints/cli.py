@@ -1,0 +1,86 @@
+"""`titan` command line: `titan generate` (offline) — more subcommands join as they land."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from titan.entrypoints.engine_args import add_engine_arguments, engine_kwargs
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def generate(args: argparse.Namespace) -> int:
+    from titan.engine.sampling_params import SamplingParams
+    from titan.entrypoints.llm import LLM
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    started = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    ready = time.perf_counter()
+    prompts = args.prompt or ["What is the capital of France?"]
+    if args.chat:
+        prompts = [
+            llm.tokenizer.encode(
+                llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False
+            )
+            for p in prompts
+        ]
+    outputs = llm.generate(prompts, params)
+    finished = time.perf_counter()
+    for prompt, output in zip(args.prompt or prompts, outputs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt if isinstance(prompt, str) else None, "text": output.text,
+                              "token_ids": output.token_ids, "finish_reason": output.finish_reason}))
+        else:
+            print(output.text)
+    generated = sum(len(o.token_ids) for o in outputs)
+    print(f"[titan] load {ready - started:.2f} s, generate {finished - ready:.2f} s, "
+          f"{generated} tokens ({generated / max(finished - ready, 1e-9):.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="titan", description="Titan LLM inference server")
+    parser.add_argument("--log-level", default="WARNING")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text offline (no server)")
+    gen.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON object per output line")
+    add_engine_arguments(gen)
+    add_sampling_arguments(gen)
+    gen.set_defaults(handler=generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Engine flags, one per config field (see `build_engine_config`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="default",
+                       help="'default' (SmolLM2-135M-Instruct Q4_1), a .gguf file or an HF folder")
+    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: float32 on CPU, bfloat16 (or float16) on CUDA")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the model's)")
+    group.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    group.add_argument("--kv-cache-memory", type=float, default=None,
+                       help="KV cache size in GiB (default: 1 GiB on CPU, 80%% of free memory on CUDA)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+
+
+ENGINE_FIELDS = ("device", "dtype", "max_model_len", "seed", "block_size", "kv_cache_memory",
+                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in ENGINE_FIELDS}
