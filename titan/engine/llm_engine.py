@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,18 @@ from titan.loader import load_model_files
 from titan.tokenizer import Tokenizer
 
 logger = logging.getLogger("titan.engine")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics: gauges now, counters since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
 
 # On CPU the cache is ordinary RAM shared with everything else; 1 GiB holds ~23k tokens of the
 # default model, far more than two cores can keep busy.
@@ -122,6 +135,17 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return self.output_processor.aborted(seq)
+
+    def stats(self) -> EngineStats:
+        manager = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=manager.usage,
+            prefix_cache_queries=manager.prefix_cache_queries,
+            prefix_cache_hits=manager.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished

@@ -24,6 +24,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # time.monotonic() stamps: arrival, first_scheduled, first_token, finished (absent until they happen)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -85,4 +86,15 @@ class OutputProcessor:
             logprobs=logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
+            metrics=_timeline(seq),
         )
+
+
+def _timeline(seq: Sequence) -> dict[str, float]:
+    stamps = {
+        "arrival": seq.arrival_time,
+        "first_scheduled": seq.first_scheduled_time,
+        "first_token": seq.first_token_time,
+        "finished": seq.finished_time,
+    }
+    return {name: value for name, value in stamps.items() if value is not None}

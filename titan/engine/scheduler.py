@@ -9,6 +9,7 @@ latest-arrived running sequence is preempted: its blocks are freed and it is rec
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 
 from titan.config import SchedulerConfig
@@ -115,6 +116,7 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_order_key)
             output.scheduled.append(self._scheduled(seq, num_new))
@@ -152,11 +154,14 @@ class Scheduler:
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += scheduled.num_new_tokens
         advanced: list[Sequence] = []
+        now = time.monotonic()
         for seq_id, token_id in zip(runner_output.seq_ids, runner_output.token_ids, strict=True):
             seq = self.sequences.get(seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.output_token_ids.append(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             advanced.append(seq)
             status = self._stop_status(seq, token_id)
             if status is not None:
@@ -183,6 +188,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
+        seq.finished_time = time.monotonic()
         self.sequences.pop(seq.seq_id, None)
 
     def abort(self, seq_id: int) -> Sequence | None:

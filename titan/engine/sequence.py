@@ -52,6 +52,10 @@ class Sequence:
         # stay valid across preemption.
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
+        # Timeline (time.monotonic()); None until it happens.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.stop_reason: int | str | None = None
         # A private generator makes seeded sampling independent of the batch it runs in.
         self.generator: torch.Generator | None = None
