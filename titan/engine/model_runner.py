@@ -1,0 +1,150 @@
+"""Turns one SchedulerOutput into model inputs, runs the model, and samples: it computes, never decides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from titan.config import ModelConfig
+from titan.engine.sampling_params import SamplingParams
+from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
+from titan.model.attention import AttentionMetadata, build_attention_metadata
+from titan.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from titan.engine.sampler import Sampler
+
+
+@dataclass
+class _StepInputs:
+    input_ids: torch.Tensor  # [T], decodes first then prefill chunks
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    row_ranges: list[tuple[int, int]]  # per scheduled sequence (scheduled order): its rows in the batch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        sampler: Sampler,
+    ) -> None:
+        self.model_config = model_config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.sampler = sampler
+        self.model = LlamaForCausalLM(model_config, device=self.device, dtype=dtype)
+        self.model.load_weights(weights)
+        self.model.eval()
+        # Zeroed, not empty: padded decode columns read arbitrary slots, and a NaN there would
+        # survive masking (0 * NaN) in the probability-times-value product.
+        cache_shape = (num_blocks * block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(cache_shape, device=self.device, dtype=dtype),
+                torch.zeros(cache_shape, device=self.device, dtype=dtype),
+            )
+            for _ in range(model_config.num_hidden_layers)
+        ]
+        self.model.bind_kv_cache(self.kv_caches)
+
+    @staticmethod
+    def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of K plus V for one block across all layers."""
+        per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * dtype.itemsize
+        return per_token * block_size * model_config.num_hidden_layers
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step; one sampled token per `sample` sequence, in `scheduled` order."""
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        with torch.inference_mode():
+            logits, requests = self._logits_for_sampling(scheduler_output)
+            if not requests:
+                return RunnerOutput()
+            token_ids, logprobs = self.sampler(logits, requests)
+        return RunnerOutput(seq_ids=[r.seq_id for r in requests], token_ids=list(token_ids), logprobs=list(logprobs))
+
+    def compute_logits_for(self, scheduler_output: SchedulerOutput, all_tokens: bool = False) -> torch.Tensor:
+        """Run the step (writing its K/V) and return float32 logits without sampling.
+
+        Rows are the sampling positions in `scheduled` order, or with `all_tokens` every new token
+        of every scheduled sequence, sequence after sequence in `scheduled` order.
+        """
+        with torch.inference_mode():
+            if not all_tokens:
+                return self._logits_for_sampling(scheduler_output)[0]
+            inputs = self._prepare(scheduler_output.scheduled)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            rows = torch.cat([torch.arange(start, end) for start, end in inputs.row_ranges])
+            return self.model.compute_logits(hidden[rows.to(self.device)])
+
+    def warmup(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        """Drive the largest step shapes once so allocations and kernel choices happen before serving.
+
+        It writes K/V into the first blocks as scratch; no block table refers to them afterwards,
+        so the cache stays logically empty.
+        """
+        capacity = self.num_blocks * self.block_size
+        prompt_length = max(2, min(max_num_batched_tokens, capacity - 1))
+        table = list(range(min(self.num_blocks, -(-(prompt_length + 1) // self.block_size))))
+        # Greedy, so warming up leaves the sampler's shared random generator untouched.
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        def scheduled(seq_id: int, token_ids: list[int], start: int) -> ScheduledSequence:
+            return ScheduledSequence(
+                seq_id=seq_id,
+                token_ids=token_ids,
+                start_position=start,
+                block_table=table,
+                sample=True,
+                sampling_params=params,
+                prompt_token_ids=[0] * (start + len(token_ids)),
+                output_token_ids=[],
+            )
+
+        self.execute(SchedulerOutput(scheduled=[scheduled(-1, [0] * prompt_length, 0)]))
+        decodes = [scheduled(-2 - i, [0], prompt_length - 1) for i in range(max_num_seqs)]
+        self.execute(SchedulerOutput(scheduled=decodes))
+
+    def _logits_for_sampling(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSequence]]:
+        scheduled = scheduler_output.scheduled
+        inputs = self._prepare(scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        requests = [s for s in scheduled if s.sample]
+        rows = [end - 1 for s, (_, end) in zip(scheduled, inputs.row_ranges, strict=True) if s.sample]
+        if not requests:
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), requests
+        if rows != list(range(hidden.shape[0])):
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)]
+        return self.model.compute_logits(hidden), requests
+
+    def _prepare(self, scheduled: list[ScheduledSequence]) -> _StepInputs:
+        # One-token sequences form the batched decode group, whatever the scheduler's order.
+        order = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
+        order += [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]
+        ordered = [scheduled[i] for i in order]
+        metadata, positions = build_attention_metadata(
+            [s.num_new_tokens for s in ordered],
+            [s.start_position for s in ordered],
+            [s.block_table for s in ordered],
+            self.block_size,
+            self.device,
+        )
+        token_ids = [token for s in ordered for token in s.token_ids]
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        row_ranges: list[tuple[int, int]] = [(0, 0)] * len(scheduled)
+        row = 0
+        for index, sequence in zip(order, ordered, strict=True):
+            row_ranges[index] = (row, row + sequence.num_new_tokens)
+            row += sequence.num_new_tokens
+        return _StepInputs(input_ids, positions, metadata, row_ranges)

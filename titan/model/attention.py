@@ -1,0 +1,158 @@
+"""Paged KV cache attention over one flattened batch of decodes and prefill chunks.
+
+KV cache layout (per layer): key and value tensors [num_blocks * block_size, num_kv_heads, head_dim];
+the K/V of position `p` of a sequence live at physical slot
+`block_table[p // block_size] * block_size + p % block_size`.
+
+Every step's tokens are flattened into one batch, decodes first (sequences with exactly one new
+token), then prefill chunks. `AttentionMetadata` is built once per step on the host and shared by
+all layers, so the layer loop itself never syncs with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """A run of consecutive new tokens of one sequence, at rows [token_start, token_end) of the batch."""
+
+    token_start: int
+    token_end: int
+    start_position: int
+    # Slots of all context positions [0, start_position + n) and the [n, context] causal mask;
+    # both None for a chunk that starts the sequence (its own fresh K/V suffice, plain causal).
+    context_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] physical cache slot of every new token
+    num_decodes: int = 0  # the first `num_decodes` rows are one-token sequences
+    # Decode group: flattened [B * max_context] slot gather index and the [B, 1, 1, max_context] mask.
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    decode_max_context: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def build_attention_metadata(
+    num_new_tokens: list[int],
+    start_positions: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and the [T] position tensor for sequences already ordered decodes first.
+
+    Every index is computed with a handful of vectorized ops on the host, then copied to `device`.
+    """
+    num_sequences = len(num_new_tokens)
+    num_decodes = 0
+    while num_decodes < num_sequences and num_new_tokens[num_decodes] == 1:
+        num_decodes += 1
+    if any(n == 1 for n in num_new_tokens[num_decodes:]):
+        raise ValueError("one-token sequences must come first in the batch")
+
+    max_blocks = max(len(table) for table in block_tables)
+    tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in block_tables], dtype=torch.int64)
+    positions = torch.tensor(
+        [p for start, n in zip(start_positions, num_new_tokens, strict=True) for p in range(start, start + n)],
+        dtype=torch.int64,
+    )
+    sequence_of_token = torch.repeat_interleave(
+        torch.arange(num_sequences), torch.tensor(num_new_tokens, dtype=torch.int64)
+    )
+    slot_mapping = tables[sequence_of_token, positions // block_size] * block_size + positions % block_size
+    metadata = AttentionMetadata(slot_mapping=slot_mapping.to(device, non_blocking=True), num_decodes=num_decodes)
+
+    if num_decodes:
+        # Pad every decode's context to the longest; padded columns point at valid slots and are masked.
+        context_lengths = torch.tensor(start_positions[:num_decodes], dtype=torch.int64) + 1
+        max_context = int(max(start_positions[:num_decodes])) + 1
+        columns = torch.arange(max_context)
+        slots = tables[:num_decodes, columns // block_size] * block_size + columns % block_size
+        metadata.decode_slots = slots.reshape(-1).to(device, non_blocking=True)
+        mask = columns[None, :] < context_lengths[:, None]
+        metadata.decode_mask = mask[:, None, None, :].to(device, non_blocking=True)
+        metadata.decode_max_context = max_context
+
+    token_start = num_decodes
+    for index in range(num_decodes, num_sequences):
+        n, start = num_new_tokens[index], start_positions[index]
+        chunk = PrefillChunk(token_start=token_start, token_end=token_start + n, start_position=start)
+        if start > 0:
+            columns = torch.arange(start + n)
+            slots = tables[index, columns // block_size] * block_size + columns % block_size
+            chunk.context_slots = slots.to(device, non_blocking=True)
+            # Query i sits at position start + i and sees every key up to and including itself.
+            mask = columns[None, :] <= torch.arange(start, start + n)[:, None]
+            chunk.mask = mask.to(device, non_blocking=True)
+        metadata.prefills.append(chunk)
+        token_start += n
+    return metadata, positions.to(device, non_blocking=True)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend. query [T, H, D], key/value [T, Hkv, D] -> [T, H * D]."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    key_cache.index_copy_(0, metadata.slot_mapping, key)
+    value_cache.index_copy_(0, metadata.slot_mapping, value)
+
+    outputs: list[torch.Tensor] = []
+    batch = metadata.num_decodes
+    if batch:
+        context = metadata.decode_max_context
+        keys = key_cache.index_select(0, metadata.decode_slots).view(batch, context, num_kv_heads, head_dim)
+        values = value_cache.index_select(0, metadata.decode_slots).view(batch, context, num_kv_heads, head_dim)
+        # With one query token per sequence, a kv head's query group can ride in the query-length
+        # dimension: no kv expansion and one SDPA call for the whole decode batch.
+        grouped_query = query[:batch].reshape(batch, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped_query,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=metadata.decode_mask,
+            scale=scale,
+        )
+        outputs.append(out.reshape(batch, num_heads * head_dim))
+
+    for chunk in metadata.prefills:
+        chunk_query = query[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)
+        if chunk.context_slots is None:
+            keys = key[chunk.token_start : chunk.token_end]
+            values = value[chunk.token_start : chunk.token_end]
+        else:
+            keys = key_cache.index_select(0, chunk.context_slots)
+            values = value_cache.index_select(0, chunk.context_slots)
+        out = F.scaled_dot_product_attention(
+            chunk_query,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        outputs.append(out[0].transpose(0, 1).reshape(-1, num_heads * head_dim))
+
+    if len(outputs) == 1:
+        return outputs[0]
+    return torch.cat(outputs, dim=0)
