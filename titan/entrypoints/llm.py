@@ -67,7 +67,7 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(order)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
-                if output.finished:
+                if output.finished and output.request_id in order:
                     results[order[output.request_id]] = output
         return [r for r in results if r is not None]
 
