@@ -280,7 +280,26 @@ def test_kv_cache_bytes_per_block() -> None:
     assert ModelRunner.kv_cache_bytes_per_block(CONFIG, 16, torch.float32) == 2 * expected
     runner = make_runner(num_blocks=8, block_size=16)
     cache_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
-    assert cache_bytes == 8 * ModelRunner.kv_cache_bytes_per_block(CONFIG, 16, torch.float32)
+    null_slot_bytes = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * CONFIG.head_dim * 4
+    assert cache_bytes == 8 * ModelRunner.kv_cache_bytes_per_block(CONFIG, 16, torch.float32) + null_slot_bytes
+
+
+def test_garbage_in_unused_cache_slots_never_leaks_into_decodes() -> None:
+    """The pool is allocated uninitialized; padded decode columns must read only the zero null slot."""
+    clean = make_runner(num_blocks=8, block_size=4)
+    dirty = make_runner(num_blocks=8, block_size=4)
+    for key_cache, value_cache in dirty.kv_caches:
+        key_cache[: dirty.null_slot].fill_(float("nan"))
+        value_cache[: dirty.null_slot].fill_(float("nan"))
+    prefill = SchedulerOutput([scheduled(0, [5, 6, 7, 8, 9, 10], 0, [0, 1], sample=False),
+                               scheduled(1, [11, 12], 0, [2], sample=False)])
+    decode = SchedulerOutput([scheduled(0, [13], 6, [0, 1], sample=True), scheduled(1, [14], 2, [2], sample=True)])
+    results = []
+    for runner in (clean, dirty):
+        runner.execute(prefill)
+        results.append(runner.compute_logits_for(decode))
+    assert torch.isfinite(results[1]).all()
+    torch.testing.assert_close(results[1], results[0])
 
 
 def test_empty_step_and_step_without_sampling() -> None:

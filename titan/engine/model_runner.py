@@ -45,16 +45,17 @@ class ModelRunner:
         self.model = LlamaForCausalLM(model_config, device=self.device, dtype=dtype)
         self.model.load_weights(weights)
         self.model.eval()
-        # Zeroed, not empty: padded decode columns read arbitrary slots, and a NaN there would
-        # survive masking (0 * NaN) in the probability-times-value product.
-        cache_shape = (num_blocks * block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(cache_shape, device=self.device, dtype=dtype),
-                torch.zeros(cache_shape, device=self.device, dtype=dtype),
-            )
-            for _ in range(model_config.num_hidden_layers)
-        ]
+        # Uninitialized (no memory is touched until blocks are used) plus one trailing null slot that
+        # stays zero: padded decode columns read it instead of whatever garbage sits in the pool.
+        self.null_slot = num_blocks * block_size
+        cache_shape = (self.null_slot + 1, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = []
+        for _ in range(model_config.num_hidden_layers):
+            key_cache = torch.empty(cache_shape, device=self.device, dtype=dtype)
+            value_cache = torch.empty(cache_shape, device=self.device, dtype=dtype)
+            key_cache[self.null_slot].zero_()
+            value_cache[self.null_slot].zero_()
+            self.kv_caches.append((key_cache, value_cache))
         self.model.bind_kv_cache(self.kv_caches)
 
     @staticmethod
@@ -139,6 +140,7 @@ class ModelRunner:
             [s.block_table for s in ordered],
             self.block_size,
             self.device,
+            null_slot=self.null_slot,
         )
         token_ids = [token for s in ordered for token in s.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -49,10 +49,14 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    null_slot: int | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata and the [T] position tensor for sequences already ordered decodes first.
 
     Every index is computed with a handful of vectorized ops on the host, then copied to `device`.
+    `null_slot`, when given, is a cache slot that always holds zeros: padded decode columns read it, so
+    the rest of the cache may hold garbage (it is allocated uninitialized, which costs no memory
+    until used).
     """
     num_sequences = len(num_new_tokens)
     num_decodes = 0
@@ -74,13 +78,16 @@ def build_attention_metadata(
     metadata = AttentionMetadata(slot_mapping=slot_mapping.to(device, non_blocking=True), num_decodes=num_decodes)
 
     if num_decodes:
-        # Pad every decode's context to the longest; padded columns point at valid slots and are masked.
+        # Pad every decode's context to the longest; padded columns are masked.
         context_lengths = torch.tensor(start_positions[:num_decodes], dtype=torch.int64) + 1
         max_context = int(max(start_positions[:num_decodes])) + 1
         columns = torch.arange(max_context)
         slots = tables[:num_decodes, columns // block_size] * block_size + columns % block_size
-        metadata.decode_slots = slots.reshape(-1).to(device, non_blocking=True)
         mask = columns[None, :] < context_lengths[:, None]
+        if null_slot is not None:
+            # A masked column still enters probability × value as 0 × value: it must not be NaN.
+            slots = torch.where(mask, slots, null_slot)
+        metadata.decode_slots = slots.reshape(-1).to(device, non_blocking=True)
         metadata.decode_mask = mask[:, None, None, :].to(device, non_blocking=True)
         metadata.decode_max_context = max_context
 
