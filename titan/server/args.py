@@ -1,0 +1,25 @@
+"""`titan serve` flags (kept free of heavy imports: the CLI builds every subparser on each run)."""
+
+from __future__ import annotations
+
+import argparse
+
+from titan.server.limits import DEFAULT_DRAIN_TIMEOUT_SECONDS, DEFAULT_MAX_BODY_BYTES
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and see (default: the model file's name)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (also read from TITAN_API_KEY)")
+    group.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_SECONDS,
+                       help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies get 413")
+    group.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                       help="drive the largest step shapes once before reporting ready")
+    group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                       help="log every HTTP request (at INFO)")

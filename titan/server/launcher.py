@@ -1,0 +1,112 @@
+"""Run `titan serve` in a child process on a free local port (tests and benchmarks use it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# `python -m titan...` must find this checkout whatever the caller's working directory.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class ServerProcess:
+    """`with ServerProcess(["--model", "default"]) as server:` starts, waits for /ready, then stops."""
+
+    def __init__(self, args: list[str], ready_timeout: float = 300.0, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.ready_timeout = ready_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.port = free_port()
+        self.host = "127.0.0.1"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+        self.ready_seconds = 0.0  # spawn → /ready 200, measured from outside
+        # (/ready, /health) statuses seen while waiting: the listener is up before the model is ready.
+        self.startup_statuses: set[tuple[int | None, int | None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        log = tempfile.NamedTemporaryFile(prefix="titan-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        self.log_path = Path(log.name)
+        command = [sys.executable, "-m", "titan.entrypoints.cli", "serve", "--host", self.host,
+                   "--port", str(self.port), *self.args]
+        started = time.perf_counter()
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT)
+        log.close()
+        deadline = started + self.ready_timeout
+        while time.perf_counter() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"titan serve exited with {self.process.returncode}:\n{self.log()}")
+            ready = self.get_status("/ready")
+            if ready == 200:
+                self.ready_seconds = time.perf_counter() - started
+                return self
+            if ready is not None:
+                self.startup_statuses.add((ready, self.get_status("/health")))
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"titan serve was not ready after {self.ready_timeout} s:\n{self.log()}")
+
+    def get_status(self, path: str) -> int | None:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as error:
+            return int(error.code)
+        except OSError:
+            return None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def terminate(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.process is None:
+            return None
+        self.terminate()
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process (Linux)."""
+        assert self.process is not None
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)

@@ -1,0 +1,185 @@
+"""Request schemas of the OpenAI API (plus vLLM's sampling extensions) and their checks.
+
+Pydantic catches wrong types (→ 400 via errors.py); `sampling_params` builds the engine's
+SamplingParams, whose own range checks become 400s naming the parameter; `check_context` turns a
+prompt or `max_tokens` that cannot fit the context into a 400 that names the token counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from titan.engine.sampling_params import InvalidParameterError, SamplingParams
+from titan.server.errors import APIError, bad_request
+
+# Without a limit one request could fan out into thousands of engine sequences.
+MAX_N = 128
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def check_common(self) -> None:
+        if self.n < 1 or self.n > MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int = 0) -> SamplingParams:
+        """The engine's parameters for choice `index` (seeded choices get seed + index, as vLLM)."""
+        options: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "seed": None if self.seed is None else self.seed + index,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+        options.update({name: value for name, value in optional.items() if value is not None})
+        try:
+            return SamplingParams(**options)
+        except InvalidParameterError as error:
+            raise bad_request(str(error), param=error.param) from error
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for the legacy endpoint
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        for item in prompt:
+            if not item:
+                raise bad_request("prompt must not contain empty prompts", param="prompt")
+        return list(prompt)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
+                              param="echo", code="unsupported_value")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: whatever the context leaves
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+def check_context(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt"
+) -> int:
+    """Return the max_tokens to use; 400 if the prompt or prompt + max_tokens exceeds the context."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens (at least one token must be left for the completion).",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if max_tokens >= 1 and num_prompt_tokens + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def check_model(requested: str | None, served_names: list[str]) -> None:
+    if requested is not None and requested not in served_names:
+        raise APIError(404, f"The model '{requested}' does not exist; this server serves "
+                            f"{', '.join(repr(name) for name in served_names)}.",
+                       param="model", code="model_not_found")

@@ -1,0 +1,164 @@
+"""What the completions and chat handlers share: engine access, fan-out, SSE framing, logprob text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from titan.engine.llm_engine import LLMEngine
+from titan.engine.sampling_params import SamplingParams
+from titan.server.async_engine import AsyncEngine, EngineFailed, EngineRequest, OutputStream, RequestRejected
+from titan.server.errors import APIError, bad_request, error_body
+from titan.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+# Texts longer than this are tokenized in a worker thread, so the event loop keeps streaming to
+# others meanwhile; shorter ones are cheaper inline than the hand-off (~50 us for 200 characters,
+# ~0.6 ms at this limit, measured in benchmarks/serving_overhead.py).
+INLINE_TOKENIZE_CHARS = 2048
+# A client that disconnected before the response: nginx's convention, never seen by anyone.
+CLIENT_CLOSED_REQUEST = 499
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str | None  # None: the engine's own model name
+    draining: bool = False
+    handling: int = 0  # generation handlers that have not yet handed their requests to the engine
+    started: float = field(default_factory=time.time)
+
+    @property
+    def busy(self) -> bool:
+        return self.handling > 0 or self.engine.num_in_flight > 0
+
+    @property
+    def model_name(self) -> str:
+        engine = self.engine.engine
+        return self.served_model_name or (engine.model_name if engine is not None else "unknown")
+
+    def serving_engine(self) -> LLMEngine:
+        """The engine if requests can be taken now; otherwise a 503 saying why."""
+        if self.draining:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "The server is shutting down.",
+                           code="shutting_down", headers={"Retry-After": "1"})
+        engine = self.engine.engine
+        if engine is None or not self.engine.ready.is_set():
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "The model is still loading.", code="not_ready",
+                           headers={"Retry-After": "5"})
+        if not self.engine.alive:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine has stopped: {self.engine.error}",
+                           code="engine_dead")
+        return engine
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def tokenize(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+
+@dataclass
+class Choice:
+    """One engine request behind one `choices[index]` entry."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+async def submit(state: ServerState, request_id: str, choices: list[Choice], priority: int) -> OutputStream:
+    requests = [EngineRequest(f"{request_id}-{choice.index}", choice.prompt_token_ids, choice.params, priority)
+                for choice in choices]
+    try:
+        return await state.engine.submit(requests)
+    except RequestRejected as error:
+        raise bad_request(str(error), param=error.param) from error
+    except EngineFailed as error:
+        raise engine_failure(error) from error
+
+
+def sse_response(body: AsyncIterator[bytes], stream: OutputStream) -> StreamingResponse:
+    # The generator's own `finally` aborts on disconnect, but a client gone before the first chunk
+    # cancels the response before the generator ever starts; the background task covers that case.
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
+                             background=BackgroundTask(stream.abort))
+
+
+def choice_index(request_id: str) -> int:
+    return int(request_id.rsplit("-", 1)[1])
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error(error: Exception) -> bytes:
+    """An error after the 200 went out can only travel inside the stream (as vLLM does)."""
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    return sse(error_body(str(error), "server_error", None, "engine_error") | {"status": int(status)})
+
+
+def engine_failure(error: EngineFailed) -> APIError:
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(error), code="engine_error")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
+    """Run `work` unless the client hangs up first; then cancel it (its requests get aborted)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done():
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        raise
+    finally:
+        watcher.cancel()
+
+
+class TokenTexts:
+    """Token id → its text and UTF-8 bytes, for logprobs (cached: the same ids recur constantly)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.text: Callable[[int], str] = lru_cache(maxsize=65536)(self._text)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self.text(token_id).encode("utf-8"))
