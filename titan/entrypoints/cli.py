@@ -9,6 +9,7 @@ import sys
 import time
 
 from titan.entrypoints.engine_args import add_engine_arguments, engine_kwargs
+from titan.server.args import add_server_arguments
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,12 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    from titan.server.serve import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="titan", description="Titan LLM inference server")
     parser.add_argument("--log-level", default="WARNING")
@@ -73,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     add_sampling_arguments(gen)
     gen.set_defaults(handler=generate)
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_arguments(srv)
+    add_server_arguments(srv)
+    srv.set_defaults(handler=serve)
+    from titan.bench.cli import add_arguments as add_bench_arguments  # light: argparse only
+
+    add_bench_arguments(commands.add_parser("bench", help="load-test any OpenAI-compatible server"))
     return parser
 
 
