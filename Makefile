@@ -1,11 +1,11 @@
-# Two entry points for a new user: `make run` (set up + generate with the default model) and
+# Two entry points for a new user: `make serve` (set up + serve the default model over HTTP) and
 # `make test` (set up + run the test suite). Every target is idempotent.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-dev run test test-all lint bench clean
+.PHONY: setup setup-dev serve run test test-all lint bench clean
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ $(VENV)/.dev: $(VENV)/.runtime
 
 setup: $(VENV)/.runtime
 setup-dev: $(VENV)/.dev
+
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+serve: setup
+	$(VENV)/bin/titan --log-level INFO serve --host $(HOST) --port $(PORT)
 
 run: setup
 	$(VENV)/bin/titan generate --chat --prompt "$(or $(PROMPT),What is the capital of France?)"

@@ -90,7 +90,9 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (plain encode does not), so a long prompt tokenized on the
+        # HTTP side never stalls the engine thread.
+        ids: list[int] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if not add_special_tokens:
             return ids
         bos = self.bos_token_id
