@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     from titan.bench.cli import add_arguments as add_bench_arguments  # light: argparse only
 
     add_bench_arguments(commands.add_parser("bench", help="load-test any OpenAI-compatible server"))
+    from titan.autoscale.cli import add_arguments as add_autoscale_arguments  # light: argparse only
+
+    add_autoscale_arguments(commands.add_parser("autoscale", help="simulate Kubernetes autoscaling policies"))
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Autoscaling simulator: Kubernetes' HPA algorithm against a simulated fleet of Titan replicas."""
