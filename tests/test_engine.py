@@ -41,6 +41,18 @@ def test_generate_returns_text_in_prompt_order(llm: LLM) -> None:
         assert output.text == llm.tokenizer.decode(output.token_ids)
     paris = llm.generate("The capital of France is", greedy(4))[0]
     assert "Paris" in paris.text
+    # Every computed token shows up in the engine's step records.
+    steps = list(llm.engine.steps)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs) + len(paris.prompt_token_ids)
+    computed = prompt_tokens + sum(len(o.token_ids) - 1 for o in [*outputs, paris])
+    assert sum(s.num_tokens for s in steps) == computed
+    assert all(s.duration > 0 and s.num_prefill_tokens + s.num_decodes <= s.num_tokens for s in steps)
+
+
+def test_slo_policy_gives_the_same_greedy_outputs(llm: LLM) -> None:
+    expected = [o.token_ids for o in llm.generate(PROMPTS[:4], greedy(12))]
+    slo = LLM("default", scheduling_policy="slo", itl_slo_ms=30.0, max_num_batched_tokens=64)
+    assert [o.token_ids for o in slo.generate(PROMPTS[:4], greedy(12))] == expected
 
 
 def test_batch_invariance_with_chunking_prefix_hits_and_preemption() -> None:

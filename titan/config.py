@@ -110,18 +110,41 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_gib must be positive")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Iteration-level batching limits."""
+    """Iteration-level batching limits and the scheduling policy.
+
+    fcfs: arrival order (vLLM's default). priority: lower `priority` runs first; a waiting request may
+    preempt lower-priority running ones, also when `max_num_seqs` is the limit; waiting requests gain
+    one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
+    so that each step's predicted duration stays within `itl_slo_ms`.
+    """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    policy: str = "fcfs"
+    aging_seconds: float = 10.0
+    itl_slo_ms: float | None = None
+    min_prefill_chunk: int = 16  # even under the SLO cap, a prefill progresses this much per step
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be positive")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {self.policy!r}")
+        if self.aging_seconds < 0:
+            raise ValueError("aging_seconds must be non-negative (0 disables aging)")
+        if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
+            raise ValueError("itl_slo_ms must be positive")
+        if self.policy == "slo" and self.itl_slo_ms is None:
+            raise ValueError("the slo policy needs itl_slo_ms")
+        if self.min_prefill_chunk <= 0:
+            raise ValueError("min_prefill_chunk must be positive")
 
 
 @dataclass(frozen=True)

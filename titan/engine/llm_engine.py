@@ -4,22 +4,48 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from titan.config import EngineConfig
 from titan.engine.block_manager import BlockManager
+from titan.engine.cost_model import StepCostModel, shape_of
 from titan.engine.model_runner import ModelRunner
 from titan.engine.outputs import OutputProcessor, RequestOutput
 from titan.engine.sampler import Sampler
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
+from titan.engine.scheduler_output import SchedulerOutput
 from titan.engine.sequence import Sequence, SequenceStatus
 from titan.loader import load_model_files
 from titan.tokenizer import Tokenizer
 
 logger = logging.getLogger("titan.engine")
+
+STEP_HISTORY = 2048  # engine steps kept for attribution (/debug/steps)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for transient attribution."""
+
+    started: float  # time.monotonic()
+    duration: float
+    num_tokens: int
+    num_sequences: int
+    num_prefill_tokens: int  # tokens of sequences computing more than one token
+    num_decodes: int
+    num_preemptions: int
+    predicted_duration: float | None  # the cost model's prediction, once it is fitted
+
+    @classmethod
+    def of(cls, output: SchedulerOutput, started: float, duration: float, predicted: float | None) -> StepRecord:
+        prefill_tokens = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
+        return cls(started, duration, output.num_batched_tokens, len(output.scheduled), prefill_tokens,
+                   sum(1 for s in output.scheduled if s.num_new_tokens == 1), len(output.preempted_seq_ids),
+                   predicted)
 
 
 @dataclass(frozen=True)
@@ -87,7 +113,10 @@ class LLMEngine:
         self.num_blocks = kv_cache_blocks(config, bytes_per_block, self.device, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos)
+        # Fitted online to every step; the slo policy caps prefill chunks with it.
+        self.cost_model = StepCostModel()
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model)
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         sampler = Sampler(eos, seed=config.seed)
         self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
                                   self.dtype, sampler)
@@ -119,8 +148,15 @@ class LLMEngine:
         return seq
 
     def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        shape = shape_of(scheduler_output.scheduled)
+        predicted = self.cost_model.predict(shape) if self.cost_model.ready else None
         runner_output = self.runner.execute(scheduler_output)
+        duration = time.monotonic() - started
+        if not scheduler_output.is_empty:
+            self.cost_model.observe(shape, duration)
+            self.steps.append(StepRecord.of(scheduler_output, started, duration, predicted))
         advanced = self.scheduler.update(scheduler_output, runner_output)
         outputs = self.output_processor.process(advanced, runner_output)
         for output in outputs:

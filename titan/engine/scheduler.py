@@ -14,6 +14,7 @@ from collections import deque
 
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager, cdiv
+from titan.engine.cost_model import StepCostModel, StepShape
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.engine.sequence import Sequence, SequenceStatus
 
@@ -26,9 +27,30 @@ class RequestRejectedError(ValueError):
         self.param = param
 
 
-def _order_key(seq: Sequence) -> tuple[int, float, int]:
-    # Lower priority value runs first (as vLLM); ties go to the earlier arrival.
-    return (seq.priority, seq.arrival_time, seq.seq_id)
+class _StepBuilder:
+    """The step being assembled: what is scheduled, the budget left and the predicted shape."""
+
+    def __init__(self, budget: int) -> None:
+        self.output = SchedulerOutput()
+        self.total_budget = budget
+        self.budget = budget
+        self.shape = StepShape()
+        self.has_prefill = False
+
+    def add(self, scheduled: ScheduledSequence) -> None:
+        self.output.scheduled.append(scheduled)
+        self.budget -= scheduled.num_new_tokens
+        self.shape = self.shape.plus(scheduled.num_new_tokens, scheduled.start_position)
+        self.has_prefill = self.has_prefill or scheduled.num_new_tokens > 1
+
+    def remove(self, seq_id: int) -> None:
+        """Unschedule a sequence preempted after it was scheduled in this step."""
+        kept = [s for s in self.output.scheduled if s.seq_id != seq_id]
+        if len(kept) == len(self.output.scheduled):
+            return
+        self.output.scheduled, self.budget, self.shape, self.has_prefill = [], self.total_budget, StepShape(), False
+        for scheduled in kept:
+            self.add(scheduled)
 
 
 class Scheduler:
@@ -38,15 +60,29 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        cost_model: StepCostModel | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.cost_model = cost_model
+        self.uses_priority = config.policy != "fcfs"
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # kept sorted by _order_key; victims come from the tail
+        self.running: list[Sequence] = []  # kept sorted by _rank; victims come from the tail
         self.sequences: dict[int, Sequence] = {}
         self.num_preemptions = 0
+
+    def _rank(self, seq: Sequence) -> tuple[float, float, int]:
+        """Order of running sequences (victims come from the end). Lower priority value runs first, as
+        in vLLM; fcfs ignores priority. Ties go to the earlier arrival."""
+        return (seq.effective_priority if self.uses_priority else 0, seq.arrival_time, seq.seq_id)
+
+    def _aged_priority(self, seq: Sequence, now: float) -> float:
+        """Every `aging_seconds` spent since arrival is worth one priority level: nothing starves."""
+        if self.config.aging_seconds > 0:
+            return seq.priority - (now - seq.arrival_time) // self.config.aging_seconds
+        return seq.priority
 
     # ---- admission -----------------------------------------------------------------------------
     def max_length(self, seq: Sequence) -> int:
@@ -84,44 +120,103 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        output = SchedulerOutput()
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                output.preempted_seq_ids.append(victim.seq_id)
-                if victim is seq:
-                    break
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        # Decodes first: a long prompt that is still prefilling must never starve them of budget.
+        decodes = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        prefills = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if step.budget == 0:
+                break
             if seq.status is not SequenceStatus.RUNNING:
-                break  # it preempted itself: nothing behind it is left to schedule
-            output.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
-            index += 1
+                continue  # preempted as a victim earlier in this step
+            num_new = self._chunk(step, seq, seq.num_computed_tokens)
+            if num_new == 0:
+                continue
+            if self._allocate_or_preempt(step, seq, num_new):
+                step.add(self._scheduled(seq, num_new))
 
-        # A step that had to preempt admits nothing new: memory is already short.
-        while (self.waiting and budget > 0 and not output.preempted_seq_ids
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+        now = time.monotonic()
+        # fcfs: a step that had to preempt admits nothing new, memory is already short.
+        while self.waiting and step.budget > 0 and (self.uses_priority or not step.output.preempted_seq_ids):
+            seq = self._next_waiting(now, step)
+            if seq is None:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._displace_for(step, seq):
+                    continue
+                break
             cached_blocks = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_blocks) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = self._chunk(step, seq, num_cached)
+            if num_new == 0:
+                break
             seq.num_computed_tokens = num_cached
             if not self.block_manager.allocate(seq, num_new, cached_blocks):
                 seq.num_computed_tokens = 0
+                if self._displace_for(step, seq):
+                    continue
                 break
-            self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached
-                seq.first_scheduled_time = time.monotonic()
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_order_key)
-            output.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
-        return output
+            self._admit(seq, num_cached, now)
+            step.add(self._scheduled(seq, num_new))
+        return step.output
+
+    def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
+        """Tokens to compute for `seq` this step: its remainder, within the budget and the ITL target."""
+        num_new = min(seq.num_tokens - start, step.budget)
+        if num_new <= 1 or self.config.policy != "slo" or self.cost_model is None:
+            return num_new
+        target = self.config.itl_slo_ms / 1000.0
+        capped = self.cost_model.max_chunk(step.shape, start, num_new, target)
+        # Prefills still progress: the first prefill of every step gets at least the minimum chunk.
+        floor = 0 if step.has_prefill else min(num_new, self.config.min_prefill_chunk)
+        return max(capped, floor)
+
+    def _next_waiting(self, now: float, step: _StepBuilder) -> Sequence | None:
+        """The best waiting sequence; one preempted in this very step is not taken back at once."""
+        if not self.uses_priority:
+            return self.waiting[0]
+        preempted = step.output.preempted_seq_ids
+        candidates = [seq for seq in self.waiting if seq.seq_id not in preempted]
+        return min(candidates, key=lambda seq: (self._aged_priority(seq, now), seq.arrival_time, seq.seq_id),
+                   default=None)
+
+    def _admit(self, seq: Sequence, num_cached: int, now: float) -> None:
+        self.waiting.remove(seq)
+        if seq.first_scheduled_time is None:
+            seq.num_cached_tokens = num_cached
+            seq.first_scheduled_time = now
+        if seq.preempted_at is not None:
+            seq.preempted_seconds += now - seq.preempted_at
+            seq.preempted_at = None
+        seq.status = SequenceStatus.RUNNING
+        seq.effective_priority = self._aged_priority(seq, now)
+        bisect.insort(self.running, seq, key=self._rank)
+
+    def _allocate_or_preempt(self, step: _StepBuilder, seq: Sequence, num_new: int) -> bool:
+        """Find blocks for `seq`, preempting the lowest-ranked running sequences if needed.
+
+        False when `seq` itself had to go (it ranks lowest).
+        """
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _displace_for(self, step: _StepBuilder, seq: Sequence) -> bool:
+        """Priority policies: preempt the lowest-ranked running sequence if `seq` strictly outranks it.
+
+        The victim keeps the aged priority it was admitted with, so a request that got in by aging is
+        not pushed out at once by the requests it had waited behind.
+        """
+        if not self.uses_priority or not self.running:
+            return False
+        victim = self.running[-1]
+        if self._aged_priority(seq, time.monotonic()) >= victim.effective_priority:
+            return False
+        self._preempt(victim, step)
+        return True
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
@@ -137,15 +232,19 @@ class Scheduler:
             generator=seq.generator,
         )
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, step: _StepBuilder) -> None:
         """Drop the sequence's KV blocks and requeue it at the front; it recomputes on return."""
+        step.remove(seq.seq_id)
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.num_recomputed_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        seq.preempted_at = time.monotonic()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        step.output.preempted_seq_ids.append(seq.seq_id)
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Sequence]:
         """Account the computed tokens and append sampled ones; returns the sequences that got a token."""

@@ -42,6 +42,8 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.priority = priority
+        # Priority with aging applied, frozen when the sequence was last admitted (priority policies).
+        self.effective_priority: float = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = SequenceStatus.WAITING
         # Tokens whose K/V are in the cache (includes prefix-cache hits).
@@ -51,7 +53,11 @@ class Sequence:
         # Chained hashes of this sequence's full blocks (prefix caching); tokens never change, so they
         # stay valid across preemption.
         self.block_hashes: list[int] = []
+        # Preemption cost: tokens whose K/V were dropped and recomputed, and seconds spent requeued.
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.preempted_seconds = 0.0
+        self.preempted_at: float | None = None
         # Timeline (time.monotonic()); None until it happens.
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

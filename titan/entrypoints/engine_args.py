@@ -22,10 +22,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "slo"],
+                       help="fcfs: arrival order; priority: lower `priority` first, with preemption; "
+                            "slo: priority plus prefill chunks capped to keep steps within --itl-slo-ms")
+    group.add_argument("--aging-seconds", type=float, default=10.0,
+                       help="a waiting request gains one priority level per this many seconds (0: off)")
+    group.add_argument("--itl-slo-ms", type=float, default=None,
+                       help="target step duration for --scheduling-policy slo")
 
 
 ENGINE_FIELDS = ("device", "dtype", "max_model_len", "seed", "block_size", "kv_cache_memory",
-                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs")
+                 "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "scheduling_policy",
+                 "aging_seconds", "itl_slo_ms")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

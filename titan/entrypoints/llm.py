@@ -25,6 +25,9 @@ def build_engine_config(
     enable_prefix_caching: bool = True,
     max_num_batched_tokens: int = 512,
     max_num_seqs: int = 64,
+    scheduling_policy: str = "fcfs",
+    aging_seconds: float = 10.0,
+    itl_slo_ms: float | None = None,
 ) -> EngineConfig:
     """Flat keyword arguments (the CLI flags, one-to-one) → the typed nested config."""
     return EngineConfig(
@@ -34,7 +37,7 @@ def build_engine_config(
         max_model_len=max_model_len,
         seed=seed,
         cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, scheduling_policy, aging_seconds, itl_slo_ms),
     )
 
 
