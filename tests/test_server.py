@@ -457,3 +457,24 @@ def test_real_prometheus_scrape(server: ServerProcess, client: openai.OpenAI, mo
         process.terminate()
         process.wait(timeout=30)
         log.close()
+
+
+def test_debug_steps_and_priority_header(server: ServerProcess, model_name: str) -> None:
+    with http(server) as session:
+        body = {"model": model_name, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+        bad = session.post("/v1/completions", json=body, headers={"X-Titan-Priority": "urgent"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-titan-priority"
+        for priority_class in ("batch", "interactive"):
+            ok = session.post("/v1/completions", json=body, headers={"X-Titan-Priority": priority_class})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        steps = session.get("/debug/steps", params={"limit": 5}).json()["data"]
+    assert 0 < len(steps) <= 5
+    now = time.time()
+    for record in steps:
+        assert now - 600 < record["time"] <= now and record["duration"] > 0
+        assert record["num_prefill_tokens"] + record["num_decodes"] <= record["num_tokens"]
+        assert record["gc_pause"] >= 0
+    assert [r["time"] for r in steps] == sorted(r["time"] for r in steps)
+    assert steps[-1]["num_decodes"] == 1  # the last step decoded the final token of the last request
+    # Warm-up ends with one full collection before the collector is frozen: it is measured.
+    assert scrape(server)["titan:gc_pause_seconds_count{generation=2}"] >= 1

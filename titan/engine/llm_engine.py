@@ -12,6 +12,7 @@ import torch
 from titan.config import EngineConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, shape_of
+from titan.engine.gc_discipline import GcMonitor
 from titan.engine.model_runner import ModelRunner
 from titan.engine.outputs import OutputProcessor, RequestOutput
 from titan.engine.sampler import Sampler
@@ -39,13 +40,15 @@ class StepRecord:
     num_decodes: int
     num_preemptions: int
     predicted_duration: float | None  # the cost model's prediction, once it is fitted
+    gc_pause: float  # seconds the garbage collector paused during the step
 
     @classmethod
-    def of(cls, output: SchedulerOutput, started: float, duration: float, predicted: float | None) -> StepRecord:
+    def of(cls, output: SchedulerOutput, started: float, duration: float, predicted: float | None,
+           gc_pause: float) -> StepRecord:
         prefill_tokens = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
         return cls(started, duration, output.num_batched_tokens, len(output.scheduled), prefill_tokens,
                    sum(1 for s in output.scheduled if s.num_new_tokens == 1), len(output.preempted_seq_ids),
-                   predicted)
+                   predicted, gc_pause)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class LLMEngine:
         self.cost_model = StepCostModel()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model)
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self.gc_monitor = GcMonitor.install()
         sampler = Sampler(eos, seed=config.seed)
         self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
                                   self.dtype, sampler)
@@ -128,7 +132,9 @@ class LLMEngine:
                     self.max_model_len)
 
     def warmup(self) -> None:
+        """Drive the largest shapes once, then settle the garbage collector (see gc_discipline)."""
         self.runner.warmup(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_num_seqs)
+        self.gc_monitor.settle_after_warmup()
 
     def add_request(
         self,
@@ -149,6 +155,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.monotonic()
+        gc_before = self.gc_monitor.total_pause_seconds
         scheduler_output = self.scheduler.schedule()
         shape = shape_of(scheduler_output.scheduled)
         predicted = self.cost_model.predict(shape) if self.cost_model.ready else None
@@ -156,7 +163,8 @@ class LLMEngine:
         duration = time.monotonic() - started
         if not scheduler_output.is_empty:
             self.cost_model.observe(shape, duration)
-            self.steps.append(StepRecord.of(scheduler_output, started, duration, predicted))
+            gc_pause = self.gc_monitor.total_pause_seconds - gc_before
+            self.steps.append(StepRecord.of(scheduler_output, started, duration, predicted, gc_pause))
         advanced = self.scheduler.update(scheduler_output, runner_output)
         outputs = self.output_processor.process(advanced, runner_output)
         for output in outputs:

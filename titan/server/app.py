@@ -12,8 +12,10 @@ Endpoints:
 from __future__ import annotations
 
 import importlib.metadata
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -22,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from titan.engine.llm_engine import StepRecord
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
 from titan.server.completions import create_completion
@@ -59,6 +62,12 @@ def readiness(state: ServerState) -> str:
     if not engine.ready.is_set():
         return "starting"
     return "ready"
+
+
+def step_json(record: StepRecord, clock_offset: float) -> dict[str, object]:
+    fields = asdict(record)
+    fields["time"] = record.started + clock_offset
+    return fields
 
 
 def build_app(
@@ -101,6 +110,16 @@ def build_app(
     async def metrics() -> Response:
         body = engine.metrics.render() if engine.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/steps")
+    async def debug_steps(limit: int = 512) -> dict[str, object]:
+        """The most recent engine steps (time, duration, tokens, sequences, prefill tokens, preemptions,
+        GC pause), oldest first, for attributing latency spikes."""
+        loaded = engine.engine
+        records = tuple(loaded.steps)[-max(limit, 0):] if loaded is not None and limit > 0 else ()
+        # Step times are monotonic; shift them onto the wall clock clients compare against.
+        offset = time.time() - time.monotonic()
+        return {"object": "list", "data": [step_json(record, offset) for record in records]}
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:

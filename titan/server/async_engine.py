@@ -260,7 +260,10 @@ class AsyncEngine:
 
     def _loop_forever(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         while True:
-            if not self._take_commands(engine, block=not engine.has_unfinished_requests()):
+            idle = not engine.has_unfinished_requests()
+            if idle and self._commands.empty():
+                engine.gc_monitor.collect_if_idle_and_due()
+            if not self._take_commands(engine, block=idle):
                 for request_id in list(engine.requests):
                     engine.abort(request_id)
                 return
@@ -301,8 +304,7 @@ class AsyncEngine:
         return keep_running
 
     def _step(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
-        sequences = list(engine.requests.values())
-        computed_before = [seq.num_computed_tokens for seq in sequences]
+        last_record = engine.steps[-1] if engine.steps else None
         started = time.monotonic()
         try:
             outputs = engine.step()
@@ -315,21 +317,13 @@ class AsyncEngine:
             self._post(self._fail, failed, EngineFailed(f"engine step failed: {error!r}"))
             return
         finished = time.monotonic()
-        metrics.record_step(finished - started, _computed_in_step(sequences, computed_before))
+        record = engine.steps[-1] if engine.steps else None
+        metrics.record_step(finished - started, record.num_tokens if record is not last_record else 0)
         if outputs:
             self._post(self._deliver, outputs, finished)
 
 
-def _computed_in_step(sequences: list, computed_before: list[int]) -> int:
-    """Tokens the step computed: growth of each sequence's computed count, less prefix-cache hits."""
-    total = 0
-    for seq, before in zip(sequences, computed_before, strict=True):
-        grown = seq.num_computed_tokens - before
-        if before == 0 and seq.num_preemptions == 0:
-            grown -= seq.num_cached_tokens  # a first admission jumps over its cached prefix for free
-        total += max(grown, 0)
-    return total
-
-
 def default_metrics(engine: LLMEngine) -> ServerMetrics:
-    return ServerMetrics(engine.model_name, engine.max_model_len, engine.config.scheduler.max_num_batched_tokens)
+    metrics = ServerMetrics(engine.model_name, engine.max_model_len, engine.config.scheduler.max_num_batched_tokens)
+    engine.gc_monitor.listeners.append(metrics.record_gc_pause)
+    return metrics

@@ -23,6 +23,7 @@ from titan.server.serving import (
     choice_index,
     engine_failure,
     new_id,
+    request_priority,
     sse,
     sse_error,
     sse_response,
@@ -43,6 +44,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     engine = state.serving_engine()
     check_model(body.model, [state.model_name])
     body.check()
+    priority = request_priority(body.priority, request.headers)
     tokenizer = engine.tokenizer
     messages = body.template_messages()
     try:
@@ -60,11 +62,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                               TokenTexts(tokenizer) if body.logprobs else None)
 
     if body.stream:
-        stream = await submit(state, request_id, choices, body.priority)
+        stream = await submit(state, request_id, choices, priority)
         return sse_response(stream_chat(stream, formatter, body, len(token_ids)), stream)
 
     async def run() -> dict[str, Any]:
-        stream = await submit(state, request_id, choices, body.priority)
+        stream = await submit(state, request_id, choices, priority)
         finals: dict[int, RequestOutput] = {}
         try:
             async for output in stream:

@@ -20,6 +20,7 @@ from titan.server.serving import (
     choice_index,
     engine_failure,
     new_id,
+    request_priority,
     sse,
     sse_error,
     sse_response,
@@ -34,6 +35,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     engine = state.serving_engine()
     check_model(body.model, [state.model_name])
     body.check()
+    priority = request_priority(body.priority, request.headers)
     tokenizer = engine.tokenizer
     prompt_ids: list[list[int]] = []
     for prompt in body.prompts():
@@ -55,11 +57,11 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     formatter = CompletionFormatter(request_id, created, state.model_name, texts)
 
     if body.stream:
-        stream = await submit(state, request_id, choices, body.priority)
+        stream = await submit(state, request_id, choices, priority)
         return sse_response(stream_completion(stream, formatter, choices, prompt_ids, echoes, body), stream)
 
     async def run() -> dict[str, Any]:
-        stream = await submit(state, request_id, choices, body.priority)
+        stream = await submit(state, request_id, choices, priority)
         finals: dict[int, RequestOutput] = {}
         try:
             async for output in stream:

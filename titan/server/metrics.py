@@ -88,9 +88,15 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           power_of_two_buckets(max_num_batched_tokens))
         self.step_seconds = histogram("engine_step_seconds", "Wall time of one engine step.", ITL_BUCKETS)
+        self.gc_pause = Histogram(PREFIX + "gc_pause_seconds", "Garbage-collector pauses, by generation.",
+                                  ["model_name", "generation"], buckets=ITL_BUCKETS, registry=self.registry)
+        self._model_name = model_name
         self._last_stats: EngineStats | None = None
 
     # ---- engine thread -------------------------------------------------------------------------
+    def record_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(self._model_name, str(generation)).observe(seconds)
+
     def record_stats(self, stats: EngineStats) -> None:
         """Gauges from a fresh snapshot; counters advance by the engine's deltas since the last one."""
         self.num_requests_running.set(stats.num_running)

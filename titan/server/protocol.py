@@ -42,7 +42,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    priority: int = 0
+    priority: int | None = None  # None: from the X-Titan-Priority class header, else 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 

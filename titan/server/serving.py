@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from http import HTTPStatus
@@ -85,6 +85,23 @@ class Choice:
     prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+PRIORITY_HEADER = "x-titan-priority"
+PRIORITY_CLASSES = {"interactive": 0, "batch": 1}
+
+
+def request_priority(body_priority: int | None, headers: Mapping[str, str]) -> int:
+    """The body's `priority` (vLLM's extension) wins; else the class header; else 0 (interactive)."""
+    if body_priority is not None:
+        return body_priority
+    value = headers.get(PRIORITY_HEADER)
+    if value is None:
+        return 0
+    if value.strip().lower() not in PRIORITY_CLASSES:
+        raise bad_request(f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITY_CLASSES)}, not {value!r}",
+                          param=PRIORITY_HEADER)
+    return PRIORITY_CLASSES[value.strip().lower()]
 
 
 async def submit(state: ServerState, request_id: str, choices: list[Choice], priority: int) -> OutputStream:
