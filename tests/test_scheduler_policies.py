@@ -23,7 +23,8 @@ def fixed_cost_model(per_step: float, per_token: float, per_sequence: float = 0.
 
 
 def make(policy: str = "priority", budget: int = 64, max_seqs: int = 8, num_blocks: int = 64,
-         itl_slo_ms: float | None = None, cost_model: StepCostModel | None = None, aging: float = 10.0) -> Scheduler:
+         itl_slo_ms: float | None = None, cost_model: StepCostModel | None = None, aging: float = 0.0) -> Scheduler:
+    """Aging is off unless a test is about it: it depends on the wall clock."""
     config = SchedulerConfig(budget, max_seqs, policy=policy, itl_slo_ms=itl_slo_ms, aging_seconds=aging)
     return Scheduler(config, BlockManager(num_blocks, 4), 1024, frozenset({2}), cost_model)
 
