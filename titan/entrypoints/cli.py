@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     from titan.autoscale.cli import add_arguments as add_autoscale_arguments  # light: argparse only
 
     add_autoscale_arguments(commands.add_parser("autoscale", help="simulate Kubernetes autoscaling policies"))
+    from titan.router.args import add_arguments as add_router_arguments  # light: argparse only
+
+    add_router_arguments(commands.add_parser("router", help="OpenAI-compatible gateway across Titan replicas"))
     return parser
 
 

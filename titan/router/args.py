@@ -1,0 +1,78 @@
+"""`titan router` flags and handler (argparse only at import; the handler loads the rest).
+
+Every flag defaults to None so that a `--config` file's value stands unless the flag is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from titan.router.config import DEFAULT_PORT, POLICIES, RouterConfig
+
+DEFAULTS = RouterConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("OpenAI-compatible gateway in front of several Titan (or other OpenAI-compatible) "
+                          "servers: health-checked pool, load- or prefix-aware routing, one retry before the "
+                          "first byte, streaming passed through.")
+    parser.add_argument("--config", default=None, help="YAML file of settings (the flags' names with "
+                        "underscores, plus 'backends'); flags override it")
+    parser.add_argument("--backend", action="append", default=None, dest="backends", metavar="URL",
+                        help="a backend's root URL, e.g. http://10.0.0.5:8000 (repeatable)")
+    parser.add_argument("--host", default=None, help=f"address to listen on (default {DEFAULTS.host})")
+    parser.add_argument("--port", type=int, default=None, help=f"(default {DEFAULT_PORT})")
+    parser.add_argument("--policy", choices=POLICIES, default=None, help=f"(default {DEFAULTS.policy})")
+    affinity = parser.add_argument_group("prefix-affinity")
+    affinity.add_argument("--prefix-chars", type=int, default=None,
+                          help=f"characters of the prompt that make its key (default {DEFAULTS.prefix_chars}); "
+                               "at most the length of your shared prompt prefix")
+    affinity.add_argument("--chunk-chars", type=int, default=None,
+                          help=f"the key covers whole chunks of this many characters (default "
+                               f"{DEFAULTS.chunk_chars})")
+    affinity.add_argument("--load-factor", type=float, default=None,
+                          help="a backend takes its keys until it holds this multiple of the mean outstanding "
+                               f"requests (default {DEFAULTS.load_factor})")
+    affinity.add_argument("--min-load", type=int, default=None,
+                          help="... or fewer than this many, whichever is more (default "
+                               f"{DEFAULTS.min_load})")
+    health = parser.add_argument_group("health and timeouts")
+    health.add_argument("--health-interval", type=float, default=None,
+                        help=f"seconds between polls of each backend (default {DEFAULTS.health_interval:g})")
+    health.add_argument("--health-timeout", type=float, default=None,
+                        help=f"(default {DEFAULTS.health_timeout:g})")
+    health.add_argument("--connect-timeout", type=float, default=None,
+                        help=f"(default {DEFAULTS.connect_timeout:g})")
+    health.add_argument("--read-timeout", type=float, default=None,
+                        help="longest silence from a backend, e.g. a whole non-streamed generation "
+                             f"(default {DEFAULTS.read_timeout:g})")
+    health.add_argument("--retries", type=int, default=None,
+                        help=f"other backends tried after a failure before the first byte (default "
+                             f"{DEFAULTS.retries})")
+    server = parser.add_argument_group("server")
+    server.add_argument("--max-request-body-bytes", type=int, default=None)
+    server.add_argument("--drain-timeout", type=float, default=None,
+                        help=f"on SIGTERM, seconds open requests get to finish (default {DEFAULTS.drain_timeout:g})")
+    server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None)
+    parser.set_defaults(handler=run_command)
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
+    skip = {"config", "handler", "command", "log_level"}
+    return {name: value for name, value in vars(args).items() if name not in skip}
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from titan.router.config import ConfigError, build_config, load_yaml
+
+    try:
+        file_settings = load_yaml(args.config) if args.config else {}
+        config = build_config(file_settings, flag_settings(args))
+    except ConfigError as error:
+        print(f"titan router: {error}", file=sys.stderr)
+        return 2
+    from titan.router.serve import run_router
+
+    return run_router(config)

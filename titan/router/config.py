@@ -1,0 +1,156 @@
+"""Router settings: defaults, overridden by a YAML file (`--config`), overridden by flags.
+
+The YAML file uses the flags' names with underscores, plus `backends` (a list of URLs, or of
+`{url: ..., name: ...}` mappings):
+
+    policy: prefix-affinity
+    port: 8080
+    backends:
+      - http://titan-0.titan:8000
+      - {url: http://titan-1.titan:8000, name: titan-1}
+    prefix_chars: 256
+    health_interval: 1.0
+
+`--backend` flags replace the file's list rather than adding to it, like every other flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+POLICIES = ("round-robin", "least-load", "prefix-affinity")
+DEFAULT_PORT = 8080
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the CLI prints it and exits 2."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    url: str  # the server's root, e.g. http://10.0.0.5:8000 (a trailing /v1 is dropped)
+    name: str  # the `backend` label in metrics and logs; host:port unless given
+
+
+@dataclass
+class RouterConfig:
+    backends: list[BackendSpec] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    policy: str = "prefix-affinity"
+    # prefix-affinity: the key is the prompt's first `prefix_chars` characters in whole `chunk_chars` chunks.
+    prefix_chars: int = 256
+    chunk_chars: int = 64
+    # Bounded load: a backend takes its keys while it has fewer outstanding requests than
+    # max(ceil(load_factor * mean after adding this one), min_load).
+    load_factor: float = 1.25
+    min_load: int = 4
+    health_interval: float = 1.0  # seconds between readiness polls (and load scrapes) of each backend
+    health_timeout: float = 5.0
+    connect_timeout: float = 3.0
+    read_timeout: float = 600.0  # longest silence from a backend: a whole non-streamed generation
+    retries: int = 1  # further backends tried when one fails before its first byte
+    max_request_body_bytes: int = 8 * 2**20
+    drain_timeout: float = 25.0  # on SIGTERM, seconds open requests get before connections are closed
+    access_log: bool = False
+    seed: int | None = None  # for least-load's random choices (tests)
+
+    def validate(self) -> RouterConfig:
+        if not self.backends:
+            raise ConfigError("no backends: give --backend URL (repeatable) or 'backends:' in --config")
+        names = [backend.name for backend in self.backends]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ConfigError(f"backend names must be unique: {', '.join(duplicates)}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.prefix_chars < 1 or self.chunk_chars < 1 or self.chunk_chars > self.prefix_chars:
+            raise ConfigError("need 1 <= chunk_chars <= prefix_chars")
+        if self.load_factor < 1.0:
+            raise ConfigError("load_factor must be at least 1 (1 = perfectly even, no affinity under load)")
+        if self.min_load < 1 or self.retries < 0:
+            raise ConfigError("min_load must be at least 1 and retries at least 0")
+        for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        return self
+
+
+def parse_backend(entry: Any) -> BackendSpec:
+    """A URL string or a {url, name} mapping → BackendSpec with a normalized URL."""
+    if isinstance(entry, dict):
+        unknown = set(entry) - {"url", "name"}
+        if unknown or "url" not in entry:
+            raise ConfigError(f"a backend mapping takes 'url' and optional 'name', got {sorted(entry)}")
+        url, name = str(entry["url"]), entry.get("name")
+    elif isinstance(entry, str):
+        url, name = entry, None
+    else:
+        raise ConfigError(f"a backend is a URL or a {{url, name}} mapping, got {entry!r}")
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    if url.endswith("/v1"):  # OpenAI clients' base URLs end in /v1; the router adds the API path itself
+        url = url[: -len("/v1")]
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"not an http(s) URL: {entry!r}")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"a backend URL takes no query or fragment: {entry!r}")
+    return BackendSpec(url, str(name) if name else parts.netloc)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml  # PyYAML arrives with gguf; only needed here
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from error
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+    return data
+
+
+def number(name: str, value: Any, kind: type[int] | type[float]) -> int | float:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        converted = float(value)
+        if kind is int and not converted.is_integer():
+            raise ValueError
+        return kind(converted)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}") from error
+
+
+def build_config(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -> RouterConfig:
+    """Defaults ← file ← flags (flags that were not given are None and change nothing)."""
+    known = {item.name for item in dataclasses.fields(RouterConfig)}
+    unknown = sorted(set(file_settings) - known)
+    if unknown:
+        raise ConfigError(f"unknown settings in the config file: {', '.join(unknown)}")
+    merged = dict(file_settings)
+    merged.update({name: value for name, value in flag_settings.items() if value is not None})
+    backends = merged.pop("backends", None) or []
+    if not isinstance(backends, list):
+        raise ConfigError("'backends' must be a list")
+    config = RouterConfig(backends=[parse_backend(entry) for entry in backends])
+    defaults = RouterConfig()
+    for name, value in merged.items():
+        default = getattr(defaults, name)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be true or false, got {value!r}")
+        elif isinstance(default, int | float) or (name == "seed" and value is not None):
+            value = number(name, value, float if isinstance(default, float) else int)
+        elif not isinstance(value, type(default)) and default is not None:
+            raise ConfigError(f"{name} must be a {type(default).__name__}, got {value!r}")
+        setattr(config, name, value)
+    return config.validate()
