@@ -103,7 +103,7 @@ def run_hf(folder: Path, prompts: list[list[int]], batch_size: int) -> dict[str,
     """HF transformers generate over static batches (equal-length prompts, so no padding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     kwargs = {"max_new_tokens": OUTPUT_TOKENS, "min_new_tokens": OUTPUT_TOKENS, "do_sample": False}
     with torch.inference_mode():
         model.generate(torch.tensor(prompts[:2]), max_new_tokens=4, do_sample=False)
