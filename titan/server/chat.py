@@ -21,9 +21,9 @@ from titan.server.serving import (
     ServerState,
     TokenTexts,
     choice_index,
-    engine_failure,
     new_id,
     request_priority,
+    run_to_completion,
     sse,
     sse_error,
     sse_response,
@@ -66,16 +66,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         return sse_response(stream_chat(stream, formatter, body, len(token_ids)), stream)
 
     async def run() -> dict[str, Any]:
-        stream = await submit(state, request_id, choices, priority)
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for output in stream:
-                if output.finished:
-                    finals[choice_index(output.request_id)] = output
-        except EngineFailed as error:
-            raise engine_failure(error) from error
-        finally:
-            stream.abort()
+        finals = await run_to_completion(state, request_id, choices, priority)
         entries = []
         for index in range(body.n):
             output = finals[index]

@@ -18,9 +18,9 @@ from titan.server.serving import (
     ServerState,
     TokenTexts,
     choice_index,
-    engine_failure,
     new_id,
     request_priority,
+    run_to_completion,
     sse,
     sse_error,
     sse_response,
@@ -61,16 +61,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         return sse_response(stream_completion(stream, formatter, choices, prompt_ids, echoes, body), stream)
 
     async def run() -> dict[str, Any]:
-        stream = await submit(state, request_id, choices, priority)
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for output in stream:
-                if output.finished:
-                    finals[choice_index(output.request_id)] = output
-        except EngineFailed as error:
-            raise engine_failure(error) from error
-        finally:
-            stream.abort()
+        finals = await run_to_completion(state, request_id, choices, priority)
         entries = []
         for choice in choices:
             output = finals[choice.index]

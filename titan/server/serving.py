@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from titan.engine.llm_engine import LLMEngine
+from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
 from titan.server.async_engine import AsyncEngine, EngineFailed, EngineRequest, OutputStream, RequestRejected
 from titan.server.errors import APIError, bad_request, error_body
@@ -102,6 +103,22 @@ def request_priority(body_priority: int | None, headers: Mapping[str, str]) -> i
         raise bad_request(f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITY_CLASSES)}, not {value!r}",
                           param=PRIORITY_HEADER)
     return PRIORITY_CLASSES[value.strip().lower()]
+
+
+async def run_to_completion(state: ServerState, request_id: str, choices: list[Choice],
+                            priority: int) -> dict[int, RequestOutput]:
+    """Submit every choice and wait for all of them (non-streaming responses): choice index → final."""
+    stream = await submit(state, request_id, choices, priority)
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for output in stream:
+            if output.finished:
+                finals[choice_index(output.request_id)] = output
+    except EngineFailed as error:
+        raise engine_failure(error) from error
+    finally:
+        stream.abort()
+    return finals
 
 
 async def submit(state: ServerState, request_id: str, choices: list[Choice], priority: int) -> OutputStream:
