@@ -8,13 +8,13 @@ with HF transformers cost.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from results_file import write_result
 
 TITAN_SNIPPET = """
 import time
@@ -69,10 +69,7 @@ def main() -> None:
             result["transformers_gguf_load_s"], _ = timed_process(HF_SNIPPET, env)
     for name, value in result.items():
         print(f"{name:28s} {value:7.2f}")
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

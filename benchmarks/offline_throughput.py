@@ -11,12 +11,12 @@ positions), and runs the same workload through HF transformers `generate` with s
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import time
 from pathlib import Path
 
 import torch
+from results_file import write_result
 
 from titan import LLM, SamplingParams
 
@@ -158,10 +158,7 @@ def main() -> None:
         print(f"HF transformers: {result['hf']['output_tokens_per_s']:.1f} output tok/s → "
               f"titan/hf = {result['titan_over_hf']:.2f}x")
     print(f"peak RSS: titan {result['titan_peak_rss_mib']:.0f} MiB, whole run {result['peak_rss_mib']:.0f} MiB")
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from results_file import write_result
 
 from titan.bench.metrics_scraper import parse_prometheus_text
 from titan.router.launcher import RouterProcess
@@ -199,9 +200,7 @@ def main() -> None:
         "hit_rate_runs": hit_rates,
         "kill_under_load": kill,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":

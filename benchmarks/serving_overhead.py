@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from results_file import write_result
 
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.sampling_params import SamplingParams
@@ -190,9 +191,7 @@ def main() -> None:
     print(f"offline {best_offline['tokens_per_second']:.1f} tok/s, http {best_http['tokens_per_second']:.1f} tok/s "
           f"(ratio {result['throughput_ratio']:.3f}); TTFT p50 {best_http['ttft_p50_ms']:.0f} ms, "
           f"chunk gap p50 {best_http['chunk_gap_p50_ms']:.1f} ms")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_result(args.output, result)
 
 
 if __name__ == "__main__":
