@@ -148,6 +148,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """Admission control (see titan.engine.admission); None disables a limit."""
+
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+    ttft_slo_ms: float | None = None  # predicted TTFT above this is refused (interactive class)
+    batch_share: float = 0.5  # fraction of each limit the batch class may use
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
+            raise ValueError("ttft_slo_ms must be positive")
+        if not 0.0 < self.batch_share <= 1.0:
+            raise ValueError("batch_share must be in (0, 1]")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; `model` is 'default', a GGUF file or an HF folder."""
 
@@ -158,6 +178,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from titan.config import EngineConfig
+from titan.engine.admission import AdmissionController
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, shape_of
 from titan.engine.gc_discipline import GcMonitor
@@ -119,6 +120,8 @@ class LLMEngine:
         # Fitted online to every step; the slo policy caps prefill chunks with it.
         self.cost_model = StepCostModel()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model)
+        self.admission = AdmissionController(config.admission, self.cost_model,
+                                             config.scheduler.max_num_batched_tokens)
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.gc_monitor = GcMonitor.install()
         sampler = Sampler(eos, seed=config.seed)
@@ -143,11 +146,14 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> Sequence:
-        """Queue a request; raises RequestRejectedError if it can never fit."""
+        """Queue a request; raises RequestRejectedError if it can never fit, AdmissionRejectedError if the
+        server is too loaded to start it in time."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id, priority)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.scheduler.check_admissible(seq)
+        self.admission.check(seq, list(self.scheduler.waiting), len(self.scheduler.running))
         self.scheduler.add(seq)
         self.output_processor.add(seq)
         self.requests[seq.request_id] = seq

@@ -29,11 +29,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a waiting request gains one priority level per this many seconds (0: off)")
     group.add_argument("--itl-slo-ms", type=float, default=None,
                        help="target step duration for --scheduling-policy slo")
+    admission = parser.add_argument_group("admission control (HTTP 429 when exceeded)")
+    admission.add_argument("--max-queued-requests", type=int, default=None, help="bound on waiting requests")
+    admission.add_argument("--max-queued-tokens", type=int, default=None, help="bound on waiting prompt tokens")
+    admission.add_argument("--ttft-slo-ms", type=float, default=None,
+                           help="refuse requests whose predicted time to first token exceeds this")
+    admission.add_argument("--batch-share", type=float, default=0.5,
+                           help="share of each admission limit the batch class (priority > 0) may use")
 
 
 ENGINE_FIELDS = ("device", "dtype", "max_model_len", "seed", "block_size", "kv_cache_memory",
                  "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "scheduling_policy",
-                 "aging_seconds", "itl_slo_ms")
+                 "aging_seconds", "itl_slo_ms", "max_queued_requests", "max_queued_tokens", "ttft_slo_ms",
+                 "batch_share")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceType
 from typing import Any
 
-from titan.config import CacheConfig, EngineConfig, SchedulerConfig
+from titan.config import AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
@@ -28,6 +28,10 @@ def build_engine_config(
     scheduling_policy: str = "fcfs",
     aging_seconds: float = 10.0,
     itl_slo_ms: float | None = None,
+    max_queued_requests: int | None = None,
+    max_queued_tokens: int | None = None,
+    ttft_slo_ms: float | None = None,
+    batch_share: float = 0.5,
 ) -> EngineConfig:
     """Flat keyword arguments (the CLI flags, one-to-one) → the typed nested config."""
     return EngineConfig(
@@ -38,6 +42,7 @@ def build_engine_config(
         seed=seed,
         cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, scheduling_policy, aging_seconds, itl_slo_ms),
+        admission=AdmissionConfig(max_queued_requests, max_queued_tokens, ttft_slo_ms, batch_share),
     )
 
 

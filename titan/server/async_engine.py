@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from titan.engine.admission import AdmissionRejectedError
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
@@ -297,6 +298,9 @@ class AsyncEngine:
                     accepted.append(command.request_id)
                 except ValueError as error:  # RequestRejectedError, InvalidParameterError, duplicate id
                     rejected.append((command.request_id, RequestRejected(str(error), getattr(error, "param", None))))
+                except AdmissionRejectedError as error:  # overloaded: the client may retry later
+                    self.metrics.record_admission_rejection(error.reason)
+                    rejected.append((command.request_id, error))
         if accepted or rejected:
             self._post(self._settle, accepted, rejected)
         if aborted:

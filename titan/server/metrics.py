@@ -91,9 +91,15 @@ class ServerMetrics:
         self.gc_pause = Histogram(PREFIX + "gc_pause_seconds", "Garbage-collector pauses, by generation.",
                                   ["model_name", "generation"], buckets=ITL_BUCKETS, registry=self.registry)
         self._model_name = model_name
+        self.admission_rejections = Counter(PREFIX + "admission_rejections_total",
+                                            "Requests refused by admission control (HTTP 429), by reason.",
+                                            ["model_name", "reason"], registry=self.registry)
         self._last_stats: EngineStats | None = None
 
     # ---- engine thread -------------------------------------------------------------------------
+    def record_admission_rejection(self, reason: str) -> None:
+        self.admission_rejections.labels(self._model_name, reason).inc()
+
     def record_gc_pause(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(self._model_name, str(generation)).observe(seconds)
 

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from titan.engine.admission import AdmissionRejectedError
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
@@ -128,6 +129,9 @@ async def submit(state: ServerState, request_id: str, choices: list[Choice], pri
         return await state.engine.submit(requests)
     except RequestRejected as error:
         raise bad_request(str(error), param=error.param) from error
+    except AdmissionRejectedError as error:
+        raise APIError(HTTPStatus.TOO_MANY_REQUESTS, str(error), code="overloaded",
+                       headers={"Retry-After": str(int(error.retry_after_seconds))}) from error
     except EngineFailed as error:
         raise engine_failure(error) from error
 

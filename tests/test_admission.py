@@ -1,0 +1,70 @@
+"""Admission decisions and Retry-After values with a fixed cost model (no model needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from titan.config import AdmissionConfig
+from titan.engine.admission import AdmissionController, AdmissionRejectedError
+from titan.engine.cost_model import StepCostModel
+from titan.engine.sampling_params import SamplingParams
+from titan.engine.sequence import Sequence
+
+
+def controller(**limits) -> AdmissionController:
+    model = StepCostModel()
+    model.weights = np.array([0.05, 0.002, 0.0, 0.0])  # 50 ms per step + 2 ms per token
+    return AdmissionController(AdmissionConfig(**limits), model, max_num_batched_tokens=100)
+
+
+def seq(tokens: int, priority: int = 0) -> Sequence:
+    return Sequence(list(range(tokens)), SamplingParams(), priority=priority)
+
+
+def test_queue_bound_and_batch_is_shed_first() -> None:
+    admission = controller(max_queued_requests=4)
+    waiting = [seq(10), seq(10)]
+    admission.check(seq(10), waiting, num_running=0)  # interactive: 3 of 4
+    with pytest.raises(AdmissionRejectedError) as batch:
+        admission.check(seq(10, priority=1), waiting, num_running=0)  # batch may use 2 of 4
+    assert batch.value.reason == "queue_requests"
+    with pytest.raises(AdmissionRejectedError):
+        admission.check(seq(10), [*waiting, seq(10), seq(10)], num_running=0)
+    assert admission.rejections == {"queue_requests": 2}
+
+
+def test_token_bound() -> None:
+    admission = controller(max_queued_tokens=100)
+    admission.check(seq(40), [seq(50)], num_running=0)
+    with pytest.raises(AdmissionRejectedError) as error:
+        admission.check(seq(60), [seq(50)], num_running=0)
+    assert error.value.reason == "queue_tokens"
+
+
+def test_predicted_ttft_and_retry_after() -> None:
+    admission = controller(ttft_slo_ms=1000.0)
+    # 250 queued tokens = 2 full steps of 100 (0.25 s each) + one of 50 (0.15 s) = 0.65 s.
+    assert admission.predicted_prefill_seconds(250, num_running=3) == pytest.approx(0.65)
+    admission.check(seq(50), [seq(150)], num_running=0)  # 200 tokens: 0.5 s ≤ 1 s
+    with pytest.raises(AdmissionRejectedError) as batch:
+        admission.check(seq(60, priority=1), [seq(150)], num_running=0)  # 0.57 s, batch target: 0.5 s
+    assert batch.value.reason == "ttft_slo"
+    long_queue = [seq(100) for _ in range(12)]  # 12 steps × 0.25 s = 3 s to drain
+    with pytest.raises(AdmissionRejectedError) as error:
+        admission.check(seq(10), long_queue, num_running=0)
+    assert error.value.retry_after_seconds == 3
+    assert "Retry in 3 s" in str(error.value)
+
+
+def test_no_limits_admit_everything_and_unfitted_model_predicts_nothing() -> None:
+    admission = AdmissionController(AdmissionConfig(ttft_slo_ms=1.0), StepCostModel(), 100)
+    admission.check(seq(5000), [seq(5000)] * 50, num_running=10)
+    assert admission.predicted_prefill_seconds(10_000, 10) == 0.0
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError):
+        AdmissionConfig(max_queued_requests=0)
+    with pytest.raises(ValueError):
+        AdmissionConfig(batch_share=0.0)

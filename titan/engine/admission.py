@@ -1,0 +1,63 @@
+"""Admission control: refuse work the server cannot start in time, rather than queue it forever.
+
+A new request is checked against the queue (requests and prompt tokens waiting) and against its
+predicted time to first token (the queued prefill work priced by the step cost model). Batch-class
+requests (priority > 0) only get `batch_share` of every limit, so they are shed first and interactive
+traffic keeps its headroom. A refusal says when to retry: the time the queue needs to drain.
+"""
+
+from __future__ import annotations
+
+import math
+
+from titan.config import AdmissionConfig
+from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.sequence import Sequence
+
+
+class AdmissionRejectedError(Exception):
+    """The server is overloaded for this request's class (HTTP 429)."""
+
+    def __init__(self, reason: str, message: str, retry_after_seconds: float) -> None:
+        super().__init__(message)
+        self.reason = reason  # queue_requests | queue_tokens | ttft_slo
+        self.retry_after_seconds = retry_after_seconds
+
+
+class AdmissionController:
+    def __init__(self, config: AdmissionConfig, cost_model: StepCostModel, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.rejections: dict[str, int] = {}
+
+    def predicted_prefill_seconds(self, queued_tokens: int, num_running: int) -> float:
+        """Time to prefill `queued_tokens`, one budget-sized chunk per step beside the running decodes."""
+        if not self.cost_model.ready or queued_tokens <= 0:
+            return 0.0
+        full_steps, rest = divmod(queued_tokens, self.max_num_batched_tokens)
+        step = self.cost_model.predict(StepShape(self.max_num_batched_tokens, num_running + 1))
+        last = self.cost_model.predict(StepShape(rest, num_running + 1)) if rest else 0.0
+        return full_steps * step + last
+
+    def check(self, seq: Sequence, waiting: list[Sequence], num_running: int) -> None:
+        """Raise AdmissionRejectedError if `seq` should not join the queue now."""
+        config = self.config
+        share = config.batch_share if seq.priority > 0 else 1.0
+        queued_tokens = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+        drain_seconds = self.predicted_prefill_seconds(queued_tokens, num_running)
+        if config.max_queued_requests is not None and len(waiting) + 1 > share * config.max_queued_requests:
+            self._reject("queue_requests", f"{len(waiting)} requests are already queued", drain_seconds)
+        if config.max_queued_tokens is not None and queued_tokens + seq.num_tokens > share * config.max_queued_tokens:
+            self._reject("queue_tokens", f"{queued_tokens} prompt tokens are already queued", drain_seconds)
+        if config.ttft_slo_ms is not None:
+            ttft = self.predicted_prefill_seconds(queued_tokens + seq.num_tokens, num_running)
+            if ttft * 1000.0 > share * config.ttft_slo_ms:
+                self._reject("ttft_slo", f"its predicted time to first token is {ttft * 1000:.0f} ms, over the "
+                             f"{share * config.ttft_slo_ms:.0f} ms target", drain_seconds)
+
+    def _reject(self, reason: str, detail: str, drain_seconds: float) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        retry_after = max(1, math.ceil(drain_seconds))
+        raise AdmissionRejectedError(reason, f"The server is overloaded: {detail}. Retry in {retry_after} s.",
+                                     retry_after)
