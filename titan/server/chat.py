@@ -18,6 +18,7 @@ from titan.server.serving import (
     INLINE_TOKENIZE_CHARS,
     SSE_DONE,
     Choice,
+    ResponseFormatter,
     ServerState,
     TokenTexts,
     choice_index,
@@ -83,13 +84,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     return result if isinstance(result, Response) else JSONResponse(result)
 
 
-class ChatFormatter:
-    def __init__(self, request_id: str, created: int, model: str, texts: TokenTexts | None) -> None:
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.texts = texts
-
+class ChatFormatter(ResponseFormatter):
     def chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None, include_usage: bool,
               logprobs: list[dict[str, Any]] | None = None) -> bytes:
         payload: dict[str, Any] = {

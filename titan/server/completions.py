@@ -15,6 +15,7 @@ from titan.server.protocol import CompletionRequest, check_context, check_model,
 from titan.server.serving import (
     SSE_DONE,
     Choice,
+    ResponseFormatter,
     ServerState,
     TokenTexts,
     choice_index,
@@ -77,13 +78,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     return result if isinstance(result, Response) else JSONResponse(result)
 
 
-class CompletionFormatter:
-    def __init__(self, request_id: str, created: int, model: str, texts: TokenTexts | None) -> None:
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.texts = texts
-
+class CompletionFormatter(ResponseFormatter):
     def chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> bytes:
         payload: dict[str, Any] = {"id": self.request_id, "object": "text_completion", "created": self.created,
                                    "model": self.model, "choices": choices}

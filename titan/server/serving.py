@@ -89,6 +89,16 @@ class Choice:
     params: SamplingParams
 
 
+@dataclass
+class ResponseFormatter:
+    """What every response chunk of one request repeats; `texts` is set when logprobs were asked for."""
+
+    request_id: str
+    created: int
+    model: str
+    texts: TokenTexts | None
+
+
 PRIORITY_HEADER = "x-titan-priority"
 PRIORITY_CLASSES = {"interactive": 0, "batch": 1}
 
