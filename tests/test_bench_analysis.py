@@ -215,3 +215,25 @@ def test_report_is_strict_json_and_consistent() -> None:
     rows = {label: (values, ratios) for label, values, ratios in compare_rows([again, again])}
     assert rows["TTFT p50 (ms)"] == ([250.0, 250.0], [1.0, 1.0])
     assert rows["stalls"][0] == [1.0, 1.0]
+
+
+def test_server_step_records_name_gc_preemption_and_prefill_interference() -> None:
+    results = [stream(i, float(i), i + 0.125, 4) for i in range(12)]
+    # Titan's /debug/steps: 50 ms decode steps, then around 6 s a GC pause, a preemption and a prefill.
+    steps = [{"t": t / 20, "duration": 0.05, "num_prefill_tokens": 0, "num_preemptions": 0, "gc_pause": 0.0}
+             for t in range(240)]
+    steps[120] = {**steps[120], "duration": 0.4, "num_prefill_tokens": 512}
+    steps[122] = {**steps[122], "num_preemptions": 2, "gc_pause": 0.03}
+    scrapes = [MetricsSample(float(t), {"step_seconds_max": 0.05 if t != 7 else 0.4, "preemptions": 0})
+               for t in range(12)]
+    spike = Spike("itl", 6.0, 6.5, 0.4, 0.45, 8.0, 0.15, 3, 3)
+    causes = attribute(spike, AttributionContext(results, scrapes, 1.0, 0.5, server_steps=steps)).causes
+    assert causes == [
+        "GC: the server's garbage collector paused the engine 30 ms",
+        "preemption: 2 request(s) lost their KV cache and were recomputed",
+        "prefill interference: 1 step(s) carrying up to 512 prefill tokens took up to 400 ms (typically 50 ms)",
+    ]
+    # Without step records the coarse 1 Hz rule speaks instead.
+    same_spike = Spike("itl", 6.0, 6.5, 0.4, 0.45, 8.0, 0.15, 3, 3)
+    coarse = attribute(same_spike, AttributionContext(results, scrapes, 1.0, 0.5))
+    assert coarse.causes == ["engine steps took up to 400 ms (typically 50 ms)"]

@@ -28,6 +28,9 @@ class AttributionContext:
     lookback: float = 1.0
     loop_lags: Sequence[tuple[float, float]] = field(default_factory=list)  # (t, lag seconds)
     client_gc: Sequence[tuple[float, float]] = field(default_factory=list)  # (t, pause seconds)
+    # Titan's `GET /debug/steps` records, each with `t` = seconds since the run started (empty for
+    # servers without it). When present they replace the coarse 1 Hz step-time rules.
+    server_steps: Sequence[dict[str, Any]] = field(default_factory=list)
 
 
 def _series_median(scrapes: Sequence[MetricsSample], key: str) -> float | None:
@@ -61,6 +64,8 @@ def _server_causes(spike: Spike, context: AttributionContext, causes: list[str],
     if (change := grew("running", 2)) is not None:
         causes.append(f"running requests rose from {change[0]:g} to {change[1]:g}")
     for key, words in (("preemptions", "preemption(s)"), ("gc_gen2_collections", "full (gen-2) server GC(s)")):
+        if context.server_steps:
+            break  # the engine's own step records say it more precisely
         if key in before.values and key in during[-1].values:
             delta = during[-1].values[key] - before.values[key]
             evidence[key] = delta
@@ -73,6 +78,8 @@ def _server_causes(spike: Spike, context: AttributionContext, causes: list[str],
             causes.append(f"KV cache {kv:.0%} full")
     for key, template in (("step_seconds_max", "engine steps took up to {0:g} ms (typically {1:g} ms)"),
                           ("iteration_tokens_max", "steps of up to {0:g} tokens (typically {1:g}): big prefills")):
+        if context.server_steps:
+            break
         top, typical = peak(key), _series_median(scrapes, key)
         if top is None or typical is None:
             continue
@@ -115,11 +122,40 @@ def _client_causes(spike: Spike, context: AttributionContext, causes: list[str],
         causes.append(f"the client's GC paused {pause * 1000:.0f} ms: part of this spike is the client's")
 
 
+def _step_causes(spike: Spike, context: AttributionContext, causes: list[str], evidence: dict[str, Any]) -> None:
+    """Name the engine-side cause from the server's step records: GC, preemption, prefill interference."""
+    steps = context.server_steps
+    if not steps:
+        return
+    # A step that ended inside the spike (or in the lookback before it) shaped its token gaps.
+    window = [s for s in steps if spike.start - context.lookback <= s["t"] + s["duration"] and s["t"] <= spike.end]
+    if not window:
+        return
+    gc_pause = sum(s.get("gc_pause", 0.0) for s in window)
+    if gc_pause >= 0.02:
+        evidence["server_gc_ms"] = gc_pause * 1000
+        causes.append(f"GC: the server's garbage collector paused the engine {gc_pause * 1000:.0f} ms")
+    preemptions = sum(s["num_preemptions"] for s in window)
+    if preemptions:
+        evidence["server_preemptions"] = preemptions
+        causes.append(f"preemption: {preemptions} request(s) lost their KV cache and were recomputed")
+    typical = statistics.median(s["duration"] for s in steps)
+    slow = [s for s in window if s["num_prefill_tokens"] > 0 and s["duration"] >= 2 * typical]
+    if slow:
+        worst = max(slow, key=lambda s: s["duration"])
+        evidence["prefill_steps"] = {"count": len(slow), "max_ms": worst["duration"] * 1000,
+                                     "typical_ms": typical * 1000}
+        causes.append(f"prefill interference: {len(slow)} step(s) carrying up to "
+                      f"{max(s['num_prefill_tokens'] for s in slow)} prefill tokens took up to "
+                      f"{worst['duration'] * 1000:.0f} ms (typically {typical * 1000:.0f} ms)")
+
+
 def attribute(spike: Spike, context: AttributionContext) -> Spike:
     """Fill `spike.causes` and `spike.evidence`; returns the spike for chaining."""
     causes: list[str] = []
     evidence: dict[str, Any] = {}
     _server_causes(spike, context, causes, evidence)
+    _step_causes(spike, context, causes, evidence)
     _client_causes(spike, context, causes, evidence)
     spike.causes = causes or [NO_CAUSE]
     spike.evidence = evidence

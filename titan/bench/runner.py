@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+
 from titan.bench.arrivals import ArrivalProcess
 from titan.bench.client import RequestResult, api_root, endpoint_url, make_client, request_body, send_request
 from titan.bench.metrics_scraper import MetricsSample, MetricsScraper
@@ -52,6 +54,7 @@ class RunData:
     loop_lags: list[tuple[float, float]]
     client_gc: list[tuple[float, float]]
     interrupted: bool
+    server_steps: list[dict[str, Any]] = field(default_factory=list)  # Titan's /debug/steps, `t` from start
 
 
 class ClientHealth:
@@ -164,6 +167,7 @@ async def _drive(config: RunConfig, workload: Workload, arrivals: ArrivalProcess
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     async with make_client(config.request_timeout, config.api_key) as client:
         start = time.perf_counter()
+        start_wall = time.time()
         health = ClientHealth(start)
         scraper = MetricsScraper(client, f"{api_root(config.base_url)}/metrics", start, config.scrape_interval)
         background = [asyncio.create_task(health.run(finished))]
@@ -216,5 +220,21 @@ async def _drive(config: RunConfig, workload: Workload, arrivals: ArrivalProcess
             ended = time.perf_counter()  # before the final scrape, which is not part of the run
             finished.set()
             await asyncio.gather(*background, return_exceptions=True)
+        steps = await fetch_server_steps(client, api_root(config.base_url), start_wall) if config.scrape_metrics else []
     return RunData(results, ended - start, started_at, scraper.to_dict(), scraper.samples,
-                   health.loop_lags, health.gc_pauses, stop.is_set())
+                   health.loop_lags, health.gc_pauses, stop.is_set(), steps)
+
+
+async def fetch_server_steps(client: httpx.AsyncClient, root: str, start_wall: float) -> list[dict[str, Any]]:
+    """Titan's recent engine steps (`GET /debug/steps`), timed from the run's start; [] elsewhere.
+
+    The server stamps steps with its wall clock; on 127.0.0.1 that is the client's clock too.
+    """
+    try:
+        response = await client.get(f"{root}/debug/steps", params={"limit": 2048}, timeout=10)
+        records = response.json()["data"] if response.status_code == 200 else []
+        return [{**record, "t": record["time"] - start_wall} for record in records
+                if isinstance(record, dict) and {"time", "duration", "num_prefill_tokens",
+                                                 "num_preemptions"} <= record.keys()]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
