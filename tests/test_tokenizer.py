@@ -88,6 +88,10 @@ def test_chat_template_read_from_saved_folder(hf_folder, reference) -> None:
     # The template writes BOS; encoding the prompt must not add a second one.
     ids = tokenizer.encode(prompt)
     assert ids[:2] == [1, tokenizer.encode("[", add_special_tokens=False)[0]]
+    # encode_chat is exactly that, and agrees with transformers' tokenized template.
+    assert tokenizer.encode_chat(messages) == ids
+    assert ids == reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                return_dict=False)
     assert ids[1:] == tokenizer.encode(prompt[len("<s>"):], add_special_tokens=False)
 
 

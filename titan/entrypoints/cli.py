@@ -43,12 +43,7 @@ def generate(args: argparse.Namespace) -> int:
     ready = time.perf_counter()
     prompts = args.prompt or ["What is the capital of France?"]
     if args.chat:
-        prompts = [
-            llm.tokenizer.encode(
-                llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False
-            )
-            for p in prompts
-        ]
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     outputs = llm.generate(prompts, params)
     finished = time.perf_counter()
     for prompt, output in zip(args.prompt or prompts, outputs, strict=True):

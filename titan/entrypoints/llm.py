@@ -84,5 +84,4 @@ class LLM:
         messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
     ) -> RequestOutput:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
+        return self.generate(self.tokenizer.encode_chat(messages), sampling_params)[0]

@@ -32,13 +32,6 @@ from titan.server.serving import (
     until_disconnect,
     usage,
 )
-from titan.tokenizer import Tokenizer
-
-
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    # The tokenizer's contract: encode the rendered prompt with special tokens; a BOS the template
-    # already wrote is not doubled.
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
@@ -50,9 +43,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     messages = body.template_messages()
     try:
         if sum(len(message["content"]) for message in messages) <= INLINE_TOKENIZE_CHARS:
-            token_ids = chat_prompt_ids(tokenizer, messages)
+            token_ids = tokenizer.encode_chat(messages)
         else:
-            token_ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, messages)
+            token_ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
     except ValueError as error:  # no template, or the template rejected the conversation
         raise bad_request(f"Cannot apply the chat template: {error}", param="messages") from error
     max_tokens = check_context(len(token_ids), body.requested_max_tokens, engine.max_model_len, "messages")

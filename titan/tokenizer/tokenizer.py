@@ -118,6 +118,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation ready for the assistant's reply: the chat template rendered with
+        its generation prompt, encoded with special tokens (a BOS the template wrote is not doubled)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
