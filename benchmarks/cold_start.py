@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from results_file import write_result
+from common import write_result
 
 TITAN_SNIPPET = """
 import time

@@ -16,26 +16,13 @@ import time
 from pathlib import Path
 
 import torch
-from results_file import write_result
+from common import make_prompts, write_result
 
 from titan import LLM, SamplingParams
 
 NUM_PROMPTS = 32
 PROMPT_TOKENS = 150
 OUTPUT_TOKENS = 64
-
-
-def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    """Distinct natural-text prompts cut to exactly `length` tokens."""
-    base = ("The history of computing is a story of people who wanted to calculate faster. "
-            "From the abacus to mechanical calculators, from vacuum tubes to transistors, each step "
-            "made machines smaller, cheaper and more reliable. ")
-    prompts = []
-    for index in range(count):
-        text = f"Document {index}: " + base * 8 + f" Question {index}: what came next?"
-        ids = tokenizer.encode(text)
-        prompts.append(ids[:length])
-    return prompts
 
 
 def layers_gflops(rows: int, shapes: list[tuple[int, int]], num_layers: int, repeats: int = 5) -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from results_file import write_result
+from common import write_result
 
 from titan.bench.metrics_scraper import parse_prometheus_text
 from titan.router.launcher import RouterProcess

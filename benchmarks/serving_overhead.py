@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 import torch
+from common import make_prompts, write_result
 from prometheus_client.parser import text_string_to_metric_families
-from results_file import write_result
 
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.sampling_params import SamplingParams
@@ -39,14 +39,6 @@ PROMPT_TOKENS = 150
 OUTPUT_TOKENS = 64
 # No prefix caching: repeated runs must prefill in full on both sides.
 ENGINE_FLAGS = {"max_num_batched_tokens": 512, "max_num_seqs": 64, "enable_prefix_caching": False}
-
-
-def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    base = ("The history of computing is a story of people who wanted to calculate faster. "
-            "From the abacus to mechanical calculators, from vacuum tubes to transistors, each step "
-            "made machines smaller, cheaper and more reliable. ")
-    return [tokenizer.encode(f"Document {i}: " + base * 8 + f" Question {i}: what came next?")[:length]
-            for i in range(count)]
 
 
 def run_offline(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:

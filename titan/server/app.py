@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from http import HTTPStatus
@@ -131,21 +131,20 @@ def build_app(
 
     # `state.handling` counts handlers between arrival and their requests reaching the engine, so a
     # drain that waits for it and for the engine's in-flight count never misses one in between.
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, schema: type[Body], create: Callable[..., Awaitable[Response]]) -> Response:
         state.handling += 1
         try:
-            return await create_completion(state, await parse_body(request, CompletionRequest), request)
+            return await create(state, await parse_body(request, schema), request)
         finally:
             state.handling -= 1
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest, create_completion)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        state.handling += 1
-        try:
-            return await create_chat_completion(state, await parse_body(request, ChatCompletionRequest), request)
-        finally:
-            state.handling -= 1
+        return await generate(request, ChatCompletionRequest, create_chat_completion)
 
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:

@@ -1,0 +1,22 @@
+"""What the benchmarks share: the standard prompt set and where results are written."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_result(path: str | Path, result: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def make_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
+    """Distinct natural-text prompts cut to exactly `length` tokens (the ~150-token workload)."""
+    base = ("The history of computing is a story of people who wanted to calculate faster. "
+            "From the abacus to mechanical calculators, from vacuum tubes to transistors, each step "
+            "made machines smaller, cheaper and more reliable. ")
+    return [tokenizer.encode(f"Document {i}: " + base * 8 + f" Question {i}: what came next?")[:length]
+            for i in range(count)]
