@@ -155,9 +155,3 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)
         seq.block_table = []
         self.num_registered_blocks.pop(seq.seq_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached content (blocks in use keep their data)."""
-        for block in self.blocks:
-            block.block_hash = None
-        self.hash_to_block.clear()
