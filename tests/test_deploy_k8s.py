@@ -15,6 +15,8 @@ import yaml
 from titan.autoscale.hpa import Behavior
 from titan.autoscale.policies import SHIPPED_BEHAVIOR, load_policies
 from titan.entrypoints.cli import build_parser
+from titan.router.args import flag_settings
+from titan.router.config import RouterConfig, build_config
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -54,14 +56,14 @@ def rendered() -> dict[str, list[dict]]:
     return documents
 
 
-def only(documents: list[dict], kind: str) -> dict:
-    matches = [doc for doc in documents if doc["kind"] == kind]
-    assert len(matches) == 1, f"expected one {kind}, got {len(matches)}"
+def only(documents: list[dict], kind: str, name: str | None = None) -> dict:
+    matches = [doc for doc in documents if doc["kind"] == kind and name in (None, doc["metadata"]["name"])]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, got {len(matches)}"
     return matches[0]
 
 
 def container(documents: list[dict]) -> dict:
-    (titan,) = only(documents, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (titan,) = only(documents, "Deployment", "titan")["spec"]["template"]["spec"]["containers"]
     return titan
 
 
@@ -69,9 +71,30 @@ def serve_args(documents: list[dict]):
     return build_parser().parse_args(container(documents)["args"])
 
 
+def router_pod(documents: list[dict]) -> dict:
+    return only(documents, "Deployment", "titan-router")["spec"]["template"]
+
+
+def router_container(documents: list[dict]) -> dict:
+    (router,) = router_pod(documents)["spec"]["containers"]
+    return router
+
+
+def router_config(documents: list[dict]) -> RouterConfig:
+    """The router's args through the real CLI parser and settings builder (which validates them)."""
+    args = build_parser().parse_args(router_container(documents)["args"])
+    assert args.command == "router"
+    return build_config({}, flag_settings(args))
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
 def test_every_overlay_renders_the_expected_objects(rendered):
     kinds = {overlay: sorted(doc["kind"] for doc in docs) for overlay, docs in rendered.items()}
-    common = ["Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "ServiceMonitor"]
+    common = ["Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "ServiceMonitor",
+              "Deployment", "Service", "Service"]  # the router, its Service, the headless Service
     assert kinds["cpu"] == sorted([*common, "HorizontalPodAutoscaler"])
     assert kinds["gpu"] == sorted([*common, "HorizontalPodAutoscaler"])
     assert kinds["gpu-keda"] == sorted([*common, "ScaledObject"])  # KEDA owns the HPA there
@@ -89,9 +112,9 @@ def test_built_in_objects_pass_strict_schema_validation(rendered):
                 version = version or kubernetes_validate.latest_version()
                 kubernetes_validate.validate(doc, version, strict=True)
                 checked += 1
-    assert checked == 2 * (5 + 5 + 4)
+    assert checked == 2 * (8 + 8 + 7)  # with the router component's Deployment and two Services
     # The validator does reject what it should: an unknown field under strict validation.
-    broken = json.loads(json.dumps(only(rendered["cpu"], "Deployment")))
+    broken = json.loads(json.dumps(only(rendered["cpu"], "Deployment", "titan")))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
@@ -184,7 +207,7 @@ def test_shutdown_fits_in_the_grace_period(rendered):
     from titan.server.serve import GRACEFUL_CLOSE_SECONDS
 
     for documents in rendered.values():
-        pod = only(documents, "Deployment")["spec"]["template"]["spec"]
+        pod = only(documents, "Deployment", "titan")["spec"]["template"]["spec"]
         pre_stop = container(documents)["lifecycle"]["preStop"]["exec"]["command"]
         assert pre_stop[0] == "sleep"
         worst_case = float(pre_stop[1]) + serve_args(documents).drain_timeout + GRACEFUL_CLOSE_SECONDS
@@ -208,10 +231,10 @@ def test_probes_cover_cold_start_readiness_and_liveness(rendered):
 
 def test_services_budgets_and_monitors_select_the_pods(rendered):
     for documents in rendered.values():
-        deployment = only(documents, "Deployment")
+        deployment = only(documents, "Deployment", "titan")
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-        service = only(documents, "Service")
+        service = only(documents, "Service", "titan")
         assert service["spec"]["selector"].items() <= pod_labels.items()
         container_ports = {port["name"] for port in container(documents)["ports"]}
         assert {port["targetPort"] for port in service["spec"]["ports"]} <= container_ports
@@ -246,7 +269,7 @@ def test_hpa_scales_the_deployment_on_metrics_the_adapter_serves(rendered):
     for overlay in ("cpu", "gpu"):
         documents = rendered[overlay]
         hpa = only(documents, "HorizontalPodAutoscaler")
-        assert hpa["spec"]["scaleTargetRef"]["name"] == only(documents, "Deployment")["metadata"]["name"]
+        assert hpa["spec"]["scaleTargetRef"]["name"] == only(documents, "Deployment", "titan")["metadata"]["name"]
         targets = {m["pods"]["metric"]["name"]: float(m["pods"]["target"]["averageValue"])
                    for m in hpa["spec"]["metrics"]}
         assert set(targets) == {"titan_num_requests_waiting", "titan_num_requests_running"}
@@ -281,7 +304,7 @@ def test_gpu_overlays_ask_for_a_gpu_and_cpu_gets_guaranteed_qos(rendered):
     for overlay in ("gpu", "gpu-keda"):
         resources = container(rendered[overlay])["resources"]
         assert resources["limits"]["nvidia.com/gpu"] == "1"
-        tolerations = only(rendered[overlay], "Deployment")["spec"]["template"]["spec"]["tolerations"]
+        tolerations = only(rendered[overlay], "Deployment", "titan")["spec"]["template"]["spec"]["tolerations"]
         assert any(toleration["key"] == "nvidia.com/gpu" for toleration in tolerations)
     cpu = container(rendered["cpu"])["resources"]
     assert cpu["requests"] == cpu["limits"]
@@ -298,3 +321,77 @@ def test_the_simulator_reads_the_shipped_hpa(rendered, tmp_path):
     assert targets == {("waiting", 5.0), ("running", 12.0)}
     assert policy.hpa.behavior == SHIPPED_BEHAVIOR
     assert (policy.hpa.min_replicas, policy.hpa.max_replicas) == (1, 8)
+
+
+# ---- the router (components/router) ---------------------------------------------------------------------
+
+# After --drain-timeout the router cancels what is left and closes its client: well under this.
+ROUTER_CLOSE_SECONDS = 5
+
+
+def test_router_discovers_the_titan_pods_through_the_headless_service(rendered):
+    for documents in rendered.values():
+        config = router_config(documents)
+        headless = only(documents, "Service", "titan-headless")
+        assert headless["spec"]["clusterIP"] == "None"
+        assert headless["spec"]["publishNotReadyAddresses"] is False  # only pods whose /ready passed
+        titan_pods = only(documents, "Deployment", "titan")["spec"]["template"]["metadata"]["labels"]
+        router_pods = router_pod(documents)["metadata"]["labels"]
+        assert selects(headless["spec"]["selector"], titan_pods)
+        assert not selects(headless["spec"]["selector"], router_pods)
+        assert config.backends == []
+        (target,) = config.discover_dns
+        # The short name resolves through the pod's DNS search path, in whatever namespace this lands.
+        assert target.host == headless["metadata"]["name"]
+        # DNS of a headless Service gives pod IPs, so the router connects to the container port itself:
+        # the Service port must be that port, and the router's must match it.
+        (service_port,) = headless["spec"]["ports"]
+        titan_ports = {port["name"]: port["containerPort"] for port in container(documents)["ports"]}
+        assert target.port == service_port["port"] == titan_ports[service_port["targetPort"]]
+        assert target.port == serve_args(documents).port
+        # Titan listens on 0.0.0.0, IPv4 only.
+        assert serve_args(documents).host == "0.0.0.0" and config.discover_family == "ipv4"
+        assert 0 < config.discover_interval <= 10
+        # The ServiceMonitor scrapes the Titan pods once, through the `titan` Service only.
+        monitor = only(documents, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+        scraped = [doc["metadata"]["name"] for doc in documents
+                   if doc["kind"] == "Service" and selects(monitor, doc["metadata"]["labels"])]
+        assert scraped == ["titan"]
+
+
+def test_router_deployment_serves_its_service_with_probes_and_a_drain_that_fits(rendered):
+    for documents in rendered.values():
+        config = router_config(documents)
+        deployment = only(documents, "Deployment", "titan-router")
+        pod, router = router_pod(documents), router_container(documents)
+        router_pods = pod["metadata"]["labels"]
+        titan_pods = only(documents, "Deployment", "titan")["spec"]["template"]["metadata"]["labels"]
+        assert selects(deployment["spec"]["selector"]["matchLabels"], router_pods)
+        # Neither side's selectors (Deployment, Service, budget) take the other's pods.
+        for kind, name in (("Deployment", "titan"), ("PodDisruptionBudget", "titan")):
+            assert not selects(only(documents, kind, name)["spec"]["selector"]["matchLabels"], router_pods)
+        assert not selects(only(documents, "Service", "titan")["spec"]["selector"], router_pods)
+        assert not selects(deployment["spec"]["selector"]["matchLabels"], titan_pods)
+        service = only(documents, "Service", "titan-router")
+        assert selects(service["spec"]["selector"], router_pods)
+        assert not selects(service["spec"]["selector"], titan_pods)
+        ports = {port["name"]: port["containerPort"] for port in router["ports"]}
+        assert {port["targetPort"] for port in service["spec"]["ports"]} <= set(ports)
+        assert config.host == "0.0.0.0" and config.port == ports["http"]
+        assert router["image"] == container(documents)["image"]  # the overlay's `images:` sets both
+        # Readiness: the router can route (some Titan pod is in its pool); liveness: the process serves.
+        readiness, liveness = router["readinessProbe"], router["livenessProbe"]
+        assert readiness["httpGet"]["path"] == "/ready" and liveness["httpGet"]["path"] == "/health"
+        assert {readiness["httpGet"]["port"], liveness["httpGet"]["port"]} <= set(ports)
+        assert (liveness["periodSeconds"] * liveness["failureThreshold"]
+                > readiness["periodSeconds"] * readiness["failureThreshold"])
+        # Shutdown: preStop, then the router's drain and close, all before SIGKILL; and the drain is at
+        # least as long as the servers' own, so a generation they would finish is not cut at the router.
+        pre_stop = router["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        worst_case = float(pre_stop[1]) + config.drain_timeout + ROUTER_CLOSE_SECONDS
+        assert worst_case < pod["spec"]["terminationGracePeriodSeconds"], "SIGKILL would cut the drain short"
+        assert config.drain_timeout >= serve_args(documents).drain_timeout
+        resources = router["resources"]
+        assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"]
+        assert deployment["spec"]["replicas"] >= 2

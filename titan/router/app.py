@@ -7,7 +7,7 @@ Endpoints:
 - `GET /v1/models`: the union of the ready backends' lists (by id, first seen wins), fetched with the
   client's own Authorization header.
 - `GET /health`: 200 while the router runs. `GET /ready`: 200 while at least one backend is in the
-  pool, else 503; the body lists every backend's state.
+  pool, else 503; the body lists every backend's state (and those that left but still finish requests).
 - `GET /metrics`: `titan_router:*` (metrics.py).
 """
 
@@ -24,7 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
 from titan.router.backend import BackendPool
-from titan.router.config import RouterConfig
+from titan.router.config import BackendSpec, RouterConfig
+from titan.router.discovery import DnsDiscovery, Resolver, dns_resolver
 from titan.router.health import HealthChecker
 from titan.router.metrics import RouterMetrics
 from titan.router.policies import make_policy
@@ -39,8 +40,10 @@ def json_response(payload: Any, status: int = HTTPStatus.OK) -> PlainResponse:
 
 
 class RouterApp:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, resolver: Resolver | None = None) -> None:
+        """`resolver`: how `discover_dns` names are resolved (default: the system's, through the event loop)."""
         self.config = config.validate()
+        self.resolver = resolver or dns_resolver(config.discover_family)
         names = [spec.name for spec in config.backends]
         self.metrics = RouterMetrics(names)
         policy = make_policy(config.policy, names, config.load_factor, config.min_load, config.seed)
@@ -48,6 +51,7 @@ class RouterApp:
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
         self.proxy: Proxy | None = None
+        self.discovery: DnsDiscovery | None = None
 
     # ---- lifespan ------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -64,8 +68,14 @@ class RouterApp:
                                     config.health_timeout, scrape_load=config.policy == "least-load")
         self.proxy = Proxy(config, self.pool, self.client, self.metrics, self.health)
         self.health.start()
+        if config.discover_dns:
+            self.discovery = DnsDiscovery(config.discover_dns, self, config.discover_interval, self.resolver,
+                                          config.backends)
+            await self.discovery.start()
 
     async def shutdown(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.health is not None:
             await self.health.stop()
         if self.client is not None:
@@ -85,6 +95,25 @@ class RouterApp:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    # ---- membership (discovery.py) -------------------------------------------------------------------
+    def add_backend(self, spec: BackendSpec) -> None:
+        assert self.health is not None, "the lifespan did not start"
+        backend = self.pool.add(spec)
+        self.metrics.add_backend(spec.name)
+        self.metrics.outstanding.labels(spec.name).set(backend.outstanding)  # a retiring one coming back
+        self.health.add(backend)
+
+    def remove_backend(self, name: str, reason: str) -> None:
+        assert self.health is not None, "the lifespan did not start"
+        backend = self.pool.remove(name, reason)
+        if backend is None:
+            return
+        self.health.remove(backend)
+        if backend.outstanding == 0:
+            self.metrics.forget_backend(name)
+        else:  # its series go when its last request ends (Proxy.release)
+            self.metrics.ready.labels(name).set(0)
 
     # ---- requests ------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -116,7 +145,7 @@ class RouterApp:
     def readiness(self) -> PlainResponse:
         backends = [{"name": backend.name, "ready": backend.ready, "outstanding": backend.outstanding,
                      **({} if backend.ready else {"reason": backend.not_ready_reason})}
-                    for backend in self.pool.backends]
+                    for backend in [*self.pool.backends, *self.pool.retiring.values()]]
         ready = any(backend.ready for backend in self.pool.backends)
         return json_response({"status": "ready" if ready else "no_backend", "policy": self.config.policy,
                               "backends": backends}, HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE)

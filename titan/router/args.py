@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from titan.router.config import DEFAULT_PORT, POLICIES, RouterConfig
+from titan.router.config import ADDRESS_FAMILIES, DEFAULT_PORT, POLICIES, RouterConfig
 
 DEFAULTS = RouterConfig()
 
@@ -25,6 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help=f"address to listen on (default {DEFAULTS.host})")
     parser.add_argument("--port", type=int, default=None, help=f"(default {DEFAULT_PORT})")
     parser.add_argument("--policy", choices=POLICIES, default=None, help=f"(default {DEFAULTS.policy})")
+    discovery = parser.add_argument_group("discovery (e.g. an autoscaled Deployment's pods behind a headless Service)")
+    discovery.add_argument("--discover-dns", action="append", default=None, dest="discover_dns",
+                           metavar="HOST:PORT",
+                           help="a DNS name whose A/AAAA records are backends (plain http on PORT), re-resolved "
+                                "periodically: addresses join and leave the pool as they come and go "
+                                "(repeatable; combines with --backend)")
+    discovery.add_argument("--discover-interval", type=float, default=None, metavar="SECONDS",
+                           help=f"seconds between resolutions (default {DEFAULTS.discover_interval:g})")
+    discovery.add_argument("--discover-family", choices=ADDRESS_FAMILIES, default=None,
+                           help="which addresses to take, e.g. ipv4 for servers listening on 0.0.0.0 "
+                                f"(default {DEFAULTS.discover_family})")
     affinity = parser.add_argument_group("prefix-affinity")
     affinity.add_argument("--prefix-chars", type=int, default=None,
                           help=f"characters of the prompt that make its key (default {DEFAULTS.prefix_chars}); "

@@ -1,5 +1,8 @@
 """One backend's routing state, and the pool that hands a request to a policy.
 
+Backends join and leave the pool at run time (discovery.py). One that leaves is out of routing at once but
+stays `retiring` while requests it already took are open; only when the last of them ends is it gone.
+
 Everything here runs on the router's one event loop, so plain attributes need no locks.
 """
 
@@ -23,7 +26,7 @@ def say(message: str) -> None:
 class Backend:
     url: str
     name: str
-    index: int  # position in the configured list (round-robin order)
+    index: int  # position in the pool: configured order, then order of joining (round-robin order)
     ready: bool = False  # no requests until the first poll says so
     outstanding: int = 0  # requests this router has open on it (sent, response not finished)
     waiting: float | None = None  # scraped num_requests_waiting (None: not scraped / not exposed)
@@ -31,6 +34,7 @@ class Backend:
     models: frozenset[str] | None = None  # model ids from /v1/models (None: unknown, may serve anything)
     readiness_path: str = "/ready"  # Titan's; "/health" once a backend answers 404 to /ready
     not_ready_reason: str = field(default="not polled yet")
+    retired: bool = False  # left the pool (no longer discovered): no new requests, open ones finish
 
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
@@ -39,13 +43,65 @@ class Backend:
 class BackendPool:
     def __init__(self, specs: Iterable[BackendSpec], policy: Policy) -> None:
         self.backends = [Backend(spec.url, spec.name, index) for index, spec in enumerate(specs)]
+        self.next_index = len(self.backends)
+        self.retiring: dict[str, Backend] = {}  # removed, with requests still open on them
         self.policy = policy
+        self.policy.set_backends(self.names)
+
+    @property
+    def names(self) -> list[str]:
+        return [backend.name for backend in self.backends]
+
+    def get(self, name: str) -> Backend | None:
+        return next((backend for backend in self.backends if backend.name == name), None)
+
+    def add(self, spec: BackendSpec) -> Backend:
+        """A new member, out of rotation until a readiness poll lets it in. A retiring backend of the same
+        name comes back as itself, so its open requests stay counted against it."""
+        if self.get(spec.name) is not None:
+            raise ValueError(f"backend {spec.name} is already in the pool")
+        backend = self.retiring.pop(spec.name, None)
+        if backend is None:
+            backend = Backend(spec.url, spec.name, self.next_index)
+        else:
+            backend.url, backend.index, backend.retired = spec.url, self.next_index, False
+            backend.readiness_path, backend.not_ready_reason = "/ready", "not polled yet"
+        self.next_index += 1
+        self.backends.append(backend)  # highest index last: the list stays in round-robin order
+        self.policy.set_backends(self.names)
+        say(f"backend {spec.name} ({spec.url}) added; it joins once it is ready")
+        return backend
+
+    def remove(self, name: str, reason: str) -> Backend | None:
+        """Out of routing now; kept as retiring while it has open requests (see `release`)."""
+        backend = self.get(name)
+        if backend is None:
+            return None
+        self.backends.remove(backend)
+        backend.ready, backend.retired = False, True
+        backend.not_ready_reason = f"removed: {reason}"
+        if backend.outstanding > 0:
+            self.retiring[name] = backend
+        self.policy.set_backends(self.names)
+        say(f"backend {name} ({backend.url}) removed: {reason}"
+            + (f"; {backend.outstanding} open requests finish there" if backend.outstanding else ""))
+        return backend
+
+    def release(self, backend: Backend) -> bool:
+        """One request on `backend` ended; True when that made a retiring backend gone for good."""
+        backend.outstanding -= 1
+        if backend.retired and backend.outstanding == 0 and self.retiring.get(backend.name) is backend:
+            del self.retiring[backend.name]
+            return True
+        return False
 
     @property
     def ready(self) -> list[Backend]:
         return [backend for backend in self.backends if backend.ready]
 
     def set_ready(self, backend: Backend, ready: bool, reason: str = "") -> None:
+        if backend.retired:
+            return  # out of the pool for good: a late poll or a failure on an open request changes nothing
         if ready != backend.ready:
             if ready:
                 say(f"backend {backend.name} ({backend.url}) joined the pool")

@@ -10,19 +10,26 @@ The YAML file uses the flags' names with underscores, plus `backends` (a list of
       - {url: http://titan-1.titan:8000, name: titan-1}
     prefix_chars: 256
     health_interval: 1.0
+    # Follow a headless Service's pods (discovery.py): every address its DNS name resolves to is a backend.
+    discover_dns: [titan-headless.default.svc.cluster.local:8000]   # or one string
+    discover_interval: 5.0
 
-`--backend` flags replace the file's list rather than adding to it, like every other flag.
+`--backend` and `--discover-dns` flags replace the file's list rather than adding to it, like every other flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 POLICIES = ("round-robin", "least-load", "prefix-affinity")
+ADDRESS_FAMILIES = ("any", "ipv4", "ipv6")
+# A DNS name (letters, digits, '-', '_', dots) or an IP literal (IPv6 given in brackets).
+DNS_HOST = re.compile(r"[a-z0-9_.-]+|[0-9a-f:.]+")
 DEFAULT_PORT = 8080
 
 
@@ -36,9 +43,25 @@ class BackendSpec:
     name: str  # the `backend` label in metrics and logs; host:port unless given
 
 
+@dataclass(frozen=True)
+class DnsTarget:
+    """A DNS name whose addresses are the backends, each serving plain HTTP on `port`."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 @dataclass
 class RouterConfig:
     backends: list[BackendSpec] = field(default_factory=list)
+    # Discovery: each name is resolved every `discover_interval` seconds; its A/AAAA records (of
+    # `discover_family`) join and leave the pool as they appear in and vanish from the answer.
+    discover_dns: list[DnsTarget] = field(default_factory=list)
+    discover_interval: float = 5.0
+    discover_family: str = "any"
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     policy: str = "prefix-affinity"
@@ -60,8 +83,16 @@ class RouterConfig:
     seed: int | None = None  # for least-load's random choices (tests)
 
     def validate(self) -> RouterConfig:
-        if not self.backends:
-            raise ConfigError("no backends: give --backend URL (repeatable) or 'backends:' in --config")
+        if not self.backends and not self.discover_dns:
+            raise ConfigError("no backends: give --backend URL or --discover-dns HOST:PORT (both repeatable), "
+                              "or 'backends:' / 'discover_dns:' in --config")
+        targets = [str(target) for target in self.discover_dns]
+        repeated = sorted({target for target in targets if targets.count(target) > 1})
+        if repeated:
+            raise ConfigError(f"discover_dns lists {', '.join(repeated)} more than once")
+        if self.discover_family not in ADDRESS_FAMILIES:
+            raise ConfigError(f"unknown discover_family {self.discover_family!r}; choose from "
+                              f"{', '.join(ADDRESS_FAMILIES)}")
         names = [backend.name for backend in self.backends]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
@@ -74,7 +105,7 @@ class RouterConfig:
             raise ConfigError("load_factor must be at least 1 (1 = perfectly even, no affinity under load)")
         if self.min_load < 1 or self.retries < 0:
             raise ConfigError("min_load must be at least 1 and retries at least 0")
-        for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout"):
+        for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         return self
@@ -102,6 +133,28 @@ def parse_backend(entry: Any) -> BackendSpec:
     if parts.query or parts.fragment:
         raise ConfigError(f"a backend URL takes no query or fragment: {entry!r}")
     return BackendSpec(url, str(name) if name else parts.netloc)
+
+
+def parse_dns_target(entry: Any) -> DnsTarget:
+    """`HOST:PORT` (IPv6 literals in brackets) → DnsTarget; the port is required (Titan's is 8000, not 80)."""
+    if not isinstance(entry, str) or not entry.strip():
+        raise ConfigError(f"a discover_dns entry is a 'HOST:PORT' string, got {entry!r}")
+    text = entry.strip()
+    if "://" in text or "/" in text:
+        raise ConfigError(f"discover_dns takes HOST:PORT, without a scheme or path (backends are plain http): "
+                          f"{entry!r}")
+    try:
+        parts = urlsplit("//" + text)
+        port = parts.port
+    except ValueError as error:
+        raise ConfigError(f"bad discover_dns entry {entry!r}: {error}") from error
+    host = parts.hostname
+    if host and not DNS_HOST.fullmatch(host):
+        raise ConfigError(f"bad host name in discover_dns entry {entry!r}")
+    if not host or port is None or port == 0 or parts.username is not None or parts.query or parts.fragment:
+        raise ConfigError(f"discover_dns takes HOST:PORT, e.g. titan-headless.default.svc.cluster.local:8000, "
+                          f"got {entry!r}")
+    return DnsTarget(host, port)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -141,7 +194,13 @@ def build_config(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -
     backends = merged.pop("backends", None) or []
     if not isinstance(backends, list):
         raise ConfigError("'backends' must be a list")
-    config = RouterConfig(backends=[parse_backend(entry) for entry in backends])
+    targets = merged.pop("discover_dns", None) or []
+    if isinstance(targets, str):  # one name needs no list
+        targets = [targets]
+    if not isinstance(targets, list):
+        raise ConfigError("'discover_dns' must be a HOST:PORT string or a list of them")
+    config = RouterConfig(backends=[parse_backend(entry) for entry in backends],
+                          discover_dns=[parse_dns_target(entry) for entry in targets])
     defaults = RouterConfig()
     for name, value in merged.items():
         default = getattr(defaults, name)

@@ -52,22 +52,39 @@ class HealthChecker:
         self.interval = interval
         self.timeout = timeout
         self.scrape_load = scrape_load
-        self.tasks: list[asyncio.Task[None]] = []
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # one poller per pool member, by name
         self.models_read_at: dict[str, float] = {}
         self.ejections: dict[str, int] = {}  # per backend: bumped by `eject`, so a poll in flight is stale
 
     def start(self) -> None:
-        self.tasks = [asyncio.create_task(self.watch(backend)) for backend in self.pool.backends]
+        for backend in self.pool.backends:
+            self.add(backend)
+
+    def add(self, backend: Backend) -> None:
+        """Poll a new member; it joins the pool on its first good poll."""
+        self.tasks[backend.name] = asyncio.create_task(self.watch(backend))
+
+    def remove(self, backend: Backend) -> None:
+        """Stop polling a member that left; a poll in flight is cancelled before it can report."""
+        task = self.tasks.pop(backend.name, None)
+        if task is not None:
+            task.cancel()
+        self.models_read_at.pop(backend.name, None)
+        self.ejections.pop(backend.name, None)
 
     async def stop(self) -> None:
-        for task in self.tasks:
+        tasks = list(self.tasks.values())
+        self.tasks.clear()
+        for task in tasks:
             task.cancel()
-        for task in self.tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
     def eject(self, backend: Backend, reason: str) -> None:
         """Out of the pool now (the proxy saw it fail); the next good poll brings it back."""
+        if backend.retired:
+            return  # already out for good, with no poller to bring it back
         self.ejections[backend.name] = self.ejections.get(backend.name, 0) + 1
         self.pool.set_ready(backend, False, reason)
         self.metrics.ready.labels(backend.name).set(0)

@@ -9,6 +9,9 @@
 - backend_ready, backend_outstanding, backend_waiting, backend_kv_cache_usage: the routing state
 - unrouted_total{reason}: requests the router answered itself (no_backend: none ready; failed: every
   attempt failed before its first byte)
+
+A backend that leaves the pool (discovery) takes its series with it once its last open request ends:
+pod addresses churn under autoscaling, and series kept for each would grow without bound.
 """
 
 from __future__ import annotations
@@ -49,13 +52,22 @@ class RouterMetrics:
                                     registry=self.registry)
         self.unrouted = Counter(PREFIX + "unrouted_total", "Requests the router answered itself.", ["reason"],
                                 registry=self.registry)
-        for name in backend_names:  # every series exists from the start, at 0
-            self.requests.labels(name)
-            self.retries.labels(name)
-            self.ready.labels(name).set(0)
-            self.outstanding.labels(name).set(0)
+        for name in backend_names:
+            self.add_backend(name)
         for reason in ("no_backend", "failed"):
             self.unrouted.labels(reason)
+
+    def add_backend(self, name: str) -> None:
+        """A backend's series exist from the moment it is in the pool, at 0."""
+        self.requests.labels(name)
+        self.retries.labels(name)
+        self.ready.labels(name).set(0)
+        self.outstanding.labels(name).set(0)
+
+    def forget_backend(self, name: str) -> None:
+        for metric in (self.requests, self.retries, self.first_byte, self.duration, self.ready, self.outstanding,
+                       self.waiting, self.kv_cache_usage, self.errors):
+            metric.remove_by_labels({"backend": name})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,10 @@ class Policy(Protocol):
         """`candidates` is non-empty and in configured order."""
         ...
 
+    def set_backends(self, names: Sequence[str]) -> None:
+        """The pool's members changed (the pool calls this at start and on every join or leave)."""
+        ...
+
 
 class RoundRobin:
     name = "round-robin"
@@ -46,6 +50,9 @@ class RoundRobin:
         chosen = next((backend for backend in candidates if backend.index >= self.next_index), candidates[0])
         self.next_index = chosen.index + 1
         return chosen
+
+    def set_backends(self, names: Sequence[str]) -> None:
+        pass  # the turn follows pool positions, which newcomers extend
 
 
 def load(backend: Backend) -> float:
@@ -64,6 +71,9 @@ class LeastLoad:
         first, second = self.random.sample(list(candidates), 2)
         return second if load(second) < load(first) else first
 
+    def set_backends(self, names: Sequence[str]) -> None:
+        pass
+
 
 def bounded_limit(total_outstanding: int, num_candidates: int, load_factor: float, min_load: int) -> int:
     """Outstanding requests a backend may hold before its keys spill to the next one on the ring."""
@@ -75,7 +85,7 @@ class PrefixAffinity:
 
     def __init__(self, names: Sequence[str], load_factor: float = 1.25, min_load: int = 4,
                  seed: int | None = None) -> None:
-        self.ring = HashRing(names)  # over all configured backends, so readiness changes move few keys
+        self.ring = HashRing(names)  # over every pool member, ready or not, so readiness changes move few keys
         self.load_factor = load_factor
         self.min_load = min_load
         self.fallback = LeastLoad(seed)
@@ -92,6 +102,11 @@ class PrefixAffinity:
                 return backend
         # Unreachable while load_factor >= 1 (someone is below the mean); kept for safety.
         return min(candidates, key=lambda backend: backend.outstanding)
+
+    def set_backends(self, names: Sequence[str]) -> None:
+        # Points depend on names only, so a rebuilt ring moves just the keys of the member that came or went.
+        if set(names) != set(self.ring.owners):
+            self.ring = HashRing(names)
 
 
 def make_policy(name: str, backend_names: Sequence[str], load_factor: float = 1.25, min_load: int = 4,

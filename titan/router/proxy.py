@@ -206,8 +206,10 @@ class Proxy:
                                    "backend_failed")
 
     def release(self, backend: Backend) -> None:
-        backend.outstanding -= 1
+        gone = self.pool.release(backend)
         self.metrics.outstanding.labels(backend.name).set(backend.outstanding)
+        if gone:  # the last open request on a backend that left the pool: its series go with it
+            self.metrics.forget_backend(backend.name)
 
     def fail(self, backend: Backend, reason: str, error: Exception | str,
              answer: PlainResponse | None = None) -> Failure:

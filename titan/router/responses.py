@@ -154,9 +154,9 @@ class PassThrough:
             return
         self.closed = True
         await close_response(self.response, self.chunks)
-        self.release(self.backend)
         if self.completed:
             self.metrics.duration.labels(self.backend.name).observe(time.perf_counter() - self.started)
+        self.release(self.backend)  # last: releasing a backend that left the pool drops its series
 
 
 async def close_response(response: httpx.Response, chunks: AsyncIterator[bytes] | None) -> None:

@@ -56,8 +56,10 @@ def run_router(config: RouterConfig) -> int:
         server_header=False, date_header=False, timeout_graceful_shutdown=max(1, round(config.drain_timeout)),
     )
     server = _Server(uvicorn_config)
-    names = ", ".join(f"{spec.name}={spec.url}" for spec in config.backends)
-    print(f"[titan] router on http://{config.host}:{config.port}, policy {config.policy}, backends: {names}",
-          file=sys.stderr, flush=True)
+    names = ", ".join(f"{spec.name}={spec.url}" for spec in config.backends) or "none static"
+    discovered = "".join(f", discovering {target} every {config.discover_interval:g} s"
+                         for target in config.discover_dns)
+    print(f"[titan] router on http://{config.host}:{config.port}, policy {config.policy}, backends: {names}"
+          f"{discovered}", file=sys.stderr, flush=True)
     asyncio.run(serve(server))
     return 0 if server.started else 1
