@@ -237,3 +237,14 @@ def test_server_step_records_name_gc_preemption_and_prefill_interference() -> No
     same_spike = Spike("itl", 6.0, 6.5, 0.4, 0.45, 8.0, 0.15, 3, 3)
     coarse = attribute(same_spike, AttributionContext(results, scrapes, 1.0, 0.5))
     assert coarse.causes == ["engine steps took up to 400 ms (typically 50 ms)"]
+
+
+def test_cold_start_is_named_for_a_young_server_only() -> None:
+    results = [stream(i, float(i), i + 0.125, 4) for i in range(12)]
+    young = attribute(Spike("itl", 2.0, 2.5, 0.4, 0.45, 8.0, 0.15, 3, 3),
+                      AttributionContext(results, [], 1.0, 0.5, server_ready_t=-1.5))
+    assert young.causes == ["cold start: the server had been ready for only 3.5 s"]
+    assert young.evidence["server_ready_for_s"] == 3.5
+    old = attribute(Spike("itl", 2.0, 2.5, 0.4, 0.45, 8.0, 0.15, 3, 3),
+                    AttributionContext(results, [], 1.0, 0.5, server_ready_t=-60.0))
+    assert old.causes == [NO_CAUSE]

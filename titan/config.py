@@ -155,6 +155,8 @@ class AdmissionConfig:
     max_queued_tokens: int | None = None
     ttft_slo_ms: float | None = None  # predicted TTFT above this is refused (interactive class)
     batch_share: float = 0.5  # fraction of each limit the batch class may use
+    # Opt-in degradation: while requests are waiting, a batch-class request's max_tokens is clamped to this.
+    degrade_batch_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens"):
@@ -165,6 +167,8 @@ class AdmissionConfig:
             raise ValueError("ttft_slo_ms must be positive")
         if not 0.0 < self.batch_share <= 1.0:
             raise ValueError("batch_share must be in (0, 1]")
+        if self.degrade_batch_max_tokens is not None and self.degrade_batch_max_tokens < 1:
+            raise ValueError("degrade_batch_max_tokens must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # Requests whose first token or longest token gap exceeds this are logged with their timeline; 0: none.
+    slow_request_ms: float = 5000.0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -187,3 +193,5 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
+        if self.slow_request_ms < 0:
+            raise ValueError("slow_request_ms must be non-negative (0: log no slow requests)")

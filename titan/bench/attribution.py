@@ -1,5 +1,9 @@
 """Why a spike happened: what changed around it in the server's metrics and in the client's own traffic.
 
+Named causes: queueing (the queue grew), prefill interference, preemption and GC (from Titan's step
+records, or coarser from metrics), KV cache saturation, cold start (a young server), arrival bursts, long
+prompts, and the client's own event-loop lag or GC.
+
 Each rule compares the last scrape at or before the spike's start with the scrapes during it (plus one
 interval after, since a 1 Hz gauge shows an event late), and looks at what the client sent in the spike and
 the `lookback` seconds before it. The causes are hints for a person, in plain words, with the numbers kept
@@ -18,6 +22,9 @@ from titan.bench.client import RequestResult
 from titan.bench.metrics_scraper import MetricsSample
 
 NO_CAUSE = "no cause found in the scraped metrics or the client's traffic"
+# A spike this soon after the server became ready is blamed (also) on its cold start: first-touch page
+# faults of the weights, allocator growth and lazy initialization on shapes warm-up did not cover.
+COLD_START_SECONDS = 10.0
 
 
 @dataclass
@@ -31,6 +38,7 @@ class AttributionContext:
     # Titan's `GET /debug/steps` records, each with `t` = seconds since the run started (empty for
     # servers without it). When present they replace the coarse 1 Hz step-time rules.
     server_steps: Sequence[dict[str, Any]] = field(default_factory=list)
+    server_ready_t: float | None = None  # when the server became ready, on the same clock as `t`
 
 
 def _series_median(scrapes: Sequence[MetricsSample], key: str) -> float | None:
@@ -150,12 +158,24 @@ def _step_causes(spike: Spike, context: AttributionContext, causes: list[str], e
                       f"{worst['duration'] * 1000:.0f} ms (typically {typical * 1000:.0f} ms)")
 
 
+def _cold_start_cause(spike: Spike, context: AttributionContext, causes: list[str],
+                      evidence: dict[str, Any]) -> None:
+    ready = context.server_ready_t
+    if ready is None:
+        return
+    uptime = spike.start - ready
+    evidence["server_ready_for_s"] = uptime
+    if uptime < COLD_START_SECONDS:
+        causes.append(f"cold start: the server had been ready for only {max(uptime, 0.0):.1f} s")
+
+
 def attribute(spike: Spike, context: AttributionContext) -> Spike:
     """Fill `spike.causes` and `spike.evidence`; returns the spike for chaining."""
     causes: list[str] = []
     evidence: dict[str, Any] = {}
     _server_causes(spike, context, causes, evidence)
     _step_causes(spike, context, causes, evidence)
+    _cold_start_cause(spike, context, causes, evidence)
     _client_causes(spike, context, causes, evidence)
     spike.causes = causes or [NO_CAUSE]
     spike.evidence = evidence

@@ -43,7 +43,7 @@ def transient_analysis(run: RunData, options: AnalysisOptions, scrape_interval: 
     spikes += detect_spikes(ttfts, "ttft", options.window, options.spike_factor)
     context = AttributionContext(run.results, run.scrapes, scrape_interval,
                                  max(options.window, scrape_interval), run.loop_lags, run.client_gc,
-                                 run.server_steps)
+                                 run.server_steps, run.server_ready_t)
     for spike in spikes:
         attribute(spike, context)
     spikes.sort(key=lambda spike: (spike.start, spike.metric))

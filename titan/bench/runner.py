@@ -55,6 +55,7 @@ class RunData:
     client_gc: list[tuple[float, float]]
     interrupted: bool
     server_steps: list[dict[str, Any]] = field(default_factory=list)  # Titan's /debug/steps, `t` from start
+    server_ready_t: float | None = None  # when the server became ready, seconds from start (Titan only)
 
 
 class ClientHealth:
@@ -220,21 +221,27 @@ async def _drive(config: RunConfig, workload: Workload, arrivals: ArrivalProcess
             ended = time.perf_counter()  # before the final scrape, which is not part of the run
             finished.set()
             await asyncio.gather(*background, return_exceptions=True)
-        steps = await fetch_server_steps(client, api_root(config.base_url), start_wall) if config.scrape_metrics else []
+        steps, ready_t = [], None
+        if config.scrape_metrics:
+            steps, ready_t = await fetch_server_steps(client, api_root(config.base_url), start_wall)
     return RunData(results, ended - start, started_at, scraper.to_dict(), scraper.samples,
-                   health.loop_lags, health.gc_pauses, stop.is_set(), steps)
+                   health.loop_lags, health.gc_pauses, stop.is_set(), steps, ready_t)
 
 
-async def fetch_server_steps(client: httpx.AsyncClient, root: str, start_wall: float) -> list[dict[str, Any]]:
-    """Titan's recent engine steps (`GET /debug/steps`), timed from the run's start; [] elsewhere.
+async def fetch_server_steps(client: httpx.AsyncClient, root: str,
+                             start_wall: float) -> tuple[list[dict[str, Any]], float | None]:
+    """Titan's recent engine steps (`GET /debug/steps`) and its ready time, timed from the run's start;
+    ([], None) elsewhere.
 
     The server stamps steps with its wall clock; on 127.0.0.1 that is the client's clock too.
     """
     try:
         response = await client.get(f"{root}/debug/steps", params={"limit": 2048}, timeout=10)
-        records = response.json()["data"] if response.status_code == 200 else []
-        return [{**record, "t": record["time"] - start_wall} for record in records
-                if isinstance(record, dict) and {"time", "duration", "num_prefill_tokens",
-                                                 "num_preemptions"} <= record.keys()]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return []
+        payload = response.json() if response.status_code == 200 else {}
+        steps = [{**record, "t": record["time"] - start_wall} for record in payload.get("data", [])
+                 if isinstance(record, dict) and {"time", "duration", "num_prefill_tokens",
+                                                  "num_preemptions"} <= record.keys()]
+        ready = payload.get("ready_time")
+        return steps, ready - start_wall if isinstance(ready, int | float) else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return [], None

@@ -4,10 +4,14 @@ A new request is checked against the queue (requests and prompt tokens waiting) 
 predicted time to first token (the queued prefill work priced by the step cost model). Batch-class
 requests (priority > 0) only get `batch_share` of every limit, so they are shed first and interactive
 traffic keeps its headroom. A refusal says when to retry: the time the queue needs to drain.
+
+Opt-in degradation (`degrade_batch_max_tokens`): a batch-class request admitted while others are already
+waiting gets its max_tokens clamped, so the backlog drains sooner; the response says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from titan.config import AdmissionConfig
@@ -30,6 +34,7 @@ class AdmissionController:
         self.cost_model = cost_model
         self.max_num_batched_tokens = max_num_batched_tokens
         self.rejections: dict[str, int] = {}
+        self.degradations: dict[str, int] = {}
 
     def predicted_prefill_seconds(self, queued_tokens: int, num_running: int) -> float:
         """Time to prefill `queued_tokens`, one budget-sized chunk per step beside the running decodes."""
@@ -55,6 +60,16 @@ class AdmissionController:
             if ttft * 1000.0 > share * config.ttft_slo_ms:
                 self._reject("ttft_slo", f"its predicted time to first token is {ttft * 1000:.0f} ms, over the "
                              f"{share * config.ttft_slo_ms:.0f} ms target", drain_seconds)
+
+    def degrade(self, seq: Sequence, waiting: list[Sequence], max_tokens: int) -> None:
+        """Clamp a batch-class request's max_tokens (`max_tokens` is its effective limit now) under pressure."""
+        limit = self.config.degrade_batch_max_tokens
+        if limit is None or seq.priority <= 0 or not waiting or max_tokens <= limit:
+            return
+        params = seq.sampling_params
+        seq.sampling_params = dataclasses.replace(params, max_tokens=limit, min_tokens=min(params.min_tokens, limit))
+        seq.degradations["max_tokens"] = {"requested": max_tokens, "applied": limit}
+        self.degradations["max_tokens"] = self.degradations.get("max_tokens", 0) + 1
 
     def _reject(self, reason: str, detail: str, drain_seconds: float) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -145,15 +146,18 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> Sequence:
         """Queue a request; raises RequestRejectedError if it can never fit, AdmissionRejectedError if the
-        server is too loaded to start it in time."""
+        server is too loaded to start it in time. `arrival_time` (time.monotonic()) defaults to now."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id, priority)
+        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id, priority, arrival_time)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.scheduler.check_admissible(seq)
-        self.admission.check(seq, list(self.scheduler.waiting), len(self.scheduler.running))
+        waiting = list(self.scheduler.waiting)
+        self.admission.check(seq, waiting, len(self.scheduler.running))
+        self.admission.degrade(seq, waiting, self.scheduler.max_length(seq) - seq.num_prompt_tokens)
         self.scheduler.add(seq)
         self.output_processor.add(seq)
         self.requests[seq.request_id] = seq
@@ -171,12 +175,32 @@ class LLMEngine:
             self.cost_model.observe(shape, duration)
             gc_pause = self.gc_monitor.total_pause_seconds - gc_before
             self.steps.append(StepRecord.of(scheduler_output, started, duration, predicted, gc_pause))
+            self._record_prefill_chunks(scheduler_output, started, duration)
         advanced = self.scheduler.update(scheduler_output, runner_output)
+        now = time.monotonic()
+        for seq in advanced:
+            seq.timeline.record_token(now, seq.num_preemptions, reversed(self.steps))
         outputs = self.output_processor.process(advanced, runner_output)
         for output in outputs:
             if output.finished:
-                self.requests.pop(output.request_id, None)
+                self._finished(self.requests.pop(output.request_id, None), output)
         return outputs
+
+    def _record_prefill_chunks(self, output: SchedulerOutput, started: float, duration: float) -> None:
+        for scheduled in output.scheduled:
+            seq = self.scheduler.sequences.get(scheduled.seq_id)
+            if seq is not None and (scheduled.start_position < seq.num_prompt_tokens or scheduled.num_new_tokens > 1):
+                seq.timeline.record_chunk(started, scheduled.num_new_tokens, duration, seq.num_preemptions > 0)
+
+    def _finished(self, seq: Sequence | None, output: RequestOutput) -> None:
+        """Log a request whose first token or longest stall took longer than `slow_request_ms`."""
+        threshold = self.config.slow_request_ms
+        if seq is None or not threshold or output.timeline is None:
+            return
+        stall = output.timeline["longest_stall"]
+        ttft = output.timeline["ttft_ms"] or 0.0
+        if ttft > threshold or (stall is not None and stall["ms"] > threshold):
+            logger.warning("slow request %s: %s", seq.request_id, json.dumps(output.timeline, separators=(",", ":")))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output."""

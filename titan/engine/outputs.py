@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, TokenLogprobs
 from titan.engine.sequence import Sequence, SequenceStatus
+from titan.engine.timeline import summarize
 from titan.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -26,6 +28,10 @@ class RequestOutput:
     num_preemptions: int = 0
     # time.monotonic() stamps: arrival, first_scheduled, first_token, finished (absent until they happen)
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set on the final output: queued, prefill chunks, decode, preemptions, longest stall (timeline.summarize).
+    timeline: dict[str, Any] | None = None
+    # Degradations applied under pressure, e.g. {"max_tokens": {"requested": 512, "applied": 64}}.
+    degradations: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -87,6 +93,8 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             metrics=_timeline(seq),
+            timeline=summarize(seq) if finished else None,
+            degradations=seq.degradations,
         )
 
 

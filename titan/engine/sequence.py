@@ -9,6 +9,7 @@ import time
 import torch
 
 from titan.engine.sampling_params import SamplingParams
+from titan.engine.timeline import RequestTimeline
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +64,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.stop_reason: int | str | None = None
+        self.timeline = RequestTimeline()
+        # Degradations applied under pressure (admission), e.g. {"max_tokens": {"requested": 512, "applied": 64}}.
+        self.degradations: dict[str, dict[str, int]] = {}
         # A private generator makes seeded sampling independent of the batch it runs in.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:

@@ -32,6 +32,8 @@ def build_engine_config(
     max_queued_tokens: int | None = None,
     ttft_slo_ms: float | None = None,
     batch_share: float = 0.5,
+    degrade_batch_max_tokens: int | None = None,
+    slow_request_ms: float = 5000.0,
 ) -> EngineConfig:
     """Flat keyword arguments (the CLI flags, one-to-one) → the typed nested config."""
     return EngineConfig(
@@ -42,7 +44,9 @@ def build_engine_config(
         seed=seed,
         cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, scheduling_policy, aging_seconds, itl_slo_ms),
-        admission=AdmissionConfig(max_queued_requests, max_queued_tokens, ttft_slo_ms, batch_share),
+        admission=AdmissionConfig(max_queued_requests, max_queued_tokens, ttft_slo_ms, batch_share,
+                                  degrade_batch_max_tokens),
+        slow_request_ms=slow_request_ms,
     )
 
 

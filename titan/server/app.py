@@ -119,7 +119,9 @@ def build_app(
         records = tuple(loaded.steps)[-max(limit, 0):] if loaded is not None and limit > 0 else ()
         # Step times are monotonic; shift them onto the wall clock clients compare against.
         offset = time.time() - time.monotonic()
-        return {"object": "list", "data": [step_json(record, offset) for record in records]}
+        # ready_time lets a client tell cold-start transients from later ones.
+        return {"object": "list", "data": [step_json(record, offset) for record in records],
+                "ready_time": engine.ready_time}
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:

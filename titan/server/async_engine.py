@@ -40,6 +40,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)  # when the HTTP request came in
 
 
 class RequestRejected(Exception):
@@ -67,7 +68,7 @@ class _Tracked:
     """Loop-side bookkeeping of one engine request."""
 
     output_queue: asyncio.Queue[RequestOutput | BaseException]
-    accepted: asyncio.Future[None]
+    accepted: asyncio.Future[dict[str, dict[str, int]]]  # resolves to the degradations admission applied
     last_token_time: float | None = None
     finished: bool = False
 
@@ -80,6 +81,7 @@ class OutputStream:
     request_ids: list[str]
     output_queue: asyncio.Queue[RequestOutput | BaseException]
     unfinished: set[str] = field(default_factory=set)
+    degradations: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # request id → applied
 
     def __post_init__(self) -> None:
         self.unfinished = set(self.request_ids)
@@ -116,6 +118,7 @@ class AsyncEngine:
         self.load_seconds = 0.0
         self.warmup_seconds = 0.0
         self.error: BaseException | None = None  # load failure or a dead engine thread
+        self.ready_time: float | None = None  # wall clock when it became ready (cold-start attribution)
         # asyncio events bind to the running loop on first use, so they can be made here.
         self.ready = asyncio.Event()  # loaded and warmed up
         self.done = asyncio.Event()  # the engine thread has exited (see `error`)
@@ -169,6 +172,8 @@ class AsyncEngine:
         if errors:
             stream.abort()
             raise errors[0]
+        stream.degradations = {request.request_id: result for request, result in zip(requests, results, strict=True)
+                               if result}
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -196,11 +201,12 @@ class AsyncEngine:
                 del self._tracked[output.request_id]
             tracked.output_queue.put_nowait(output)
 
-    def _settle(self, accepted: list[str], rejected: list[tuple[str, BaseException]]) -> None:
-        for request_id in accepted:
+    def _settle(self, accepted: list[tuple[str, dict[str, dict[str, int]]]],
+                rejected: list[tuple[str, BaseException]]) -> None:
+        for request_id, degradations in accepted:
             tracked = self._tracked.get(request_id)
             if tracked is not None and not tracked.accepted.done():
-                tracked.accepted.set_result(None)
+                tracked.accepted.set_result(degradations)
         for request_id, error in rejected:
             tracked = self._tracked.pop(request_id, None)
             if tracked is not None and not tracked.accepted.done():
@@ -219,6 +225,7 @@ class AsyncEngine:
                 tracked.output_queue.put_nowait(error)
 
     def _loaded(self) -> None:
+        self.ready_time = time.time()
         self.ready.set()
 
     def _exited(self, error: BaseException | None) -> None:
@@ -280,7 +287,7 @@ class AsyncEngine:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-        accepted: list[str] = []
+        accepted: list[tuple[str, dict[str, dict[str, int]]]] = []
         rejected: list[tuple[str, BaseException]] = []
         aborted: list[RequestOutput] = []
         keep_running = True
@@ -293,9 +300,11 @@ class AsyncEngine:
                     aborted.append(output)
             elif isinstance(command, EngineRequest):
                 try:
-                    engine.add_request(command.prompt_token_ids, command.sampling_params, command.request_id,
-                                       command.priority)
-                    accepted.append(command.request_id)
+                    seq = engine.add_request(command.prompt_token_ids, command.sampling_params, command.request_id,
+                                             command.priority, command.arrival_time)
+                    for kind in seq.degradations:
+                        self.metrics.record_degradation(kind)
+                    accepted.append((command.request_id, dict(seq.degradations)))
                 except ValueError as error:  # RequestRejectedError, InvalidParameterError, duplicate id
                     rejected.append((command.request_id, RequestRejected(str(error), getattr(error, "param", None))))
                 except AdmissionRejectedError as error:  # overloaded: the client may retry later

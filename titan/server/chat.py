@@ -22,6 +22,7 @@ from titan.server.serving import (
     ServerState,
     TokenTexts,
     choice_index,
+    degraded_headers,
     new_id,
     request_priority,
     run_to_completion,
@@ -31,10 +32,12 @@ from titan.server.serving import (
     submit,
     until_disconnect,
     usage,
+    wants_timeline,
 )
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
+    arrival_time = time.monotonic()
     engine = state.serving_engine()
     check_model(body.model, [state.model_name])
     body.check()
@@ -53,14 +56,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                for sample in range(body.n)]
     request_id = new_id("chatcmpl")
     formatter = ChatFormatter(request_id, int(time.time()), state.model_name,
-                              TokenTexts(tokenizer) if body.logprobs else None)
+                              TokenTexts(tokenizer) if body.logprobs else None,
+                              wants_timeline(body.titan_timeline, request.headers))
 
     if body.stream:
-        stream = await submit(state, request_id, choices, priority)
+        stream = await submit(state, request_id, choices, priority, arrival_time)
         return sse_response(stream_chat(stream, formatter, body, len(token_ids)), stream)
 
-    async def run() -> dict[str, Any]:
-        finals = await run_to_completion(state, request_id, choices, priority)
+    async def run() -> Response:
+        stream = await submit(state, request_id, choices, priority, arrival_time)
+        finals = await run_to_completion(stream)
         entries = []
         for index in range(body.n):
             output = finals[index]
@@ -68,23 +73,23 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             if formatter.texts is not None:
                 logprobs = {"content": formatter.logprobs(output, 0, len(output.token_ids)), "refusal": None}
             entries.append({"index": index, "message": {"role": "assistant", "content": output.text},
-                            "logprobs": logprobs, "finish_reason": output.finish_reason})
+                            "logprobs": logprobs, "finish_reason": output.finish_reason, **formatter.extras(output)})
         completion_tokens = sum(len(output.token_ids) for output in finals.values())
-        return {"id": request_id, "object": "chat.completion", "created": formatter.created,
-                "model": state.model_name, "choices": entries, "usage": usage(len(token_ids), completion_tokens)}
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": formatter.created,
+                             "model": state.model_name, "choices": entries,
+                             "usage": usage(len(token_ids), completion_tokens)}, headers=degraded_headers(stream))
 
-    result = await until_disconnect(request, run())
-    return result if isinstance(result, Response) else JSONResponse(result)
+    return await until_disconnect(request, run())
 
 
 class ChatFormatter(ResponseFormatter):
     def chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None, include_usage: bool,
-              logprobs: list[dict[str, Any]] | None = None) -> bytes:
+              logprobs: list[dict[str, Any]] | None = None, extras: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {
             "id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
             "choices": [{"index": index, "delta": delta,
                          "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-                         "finish_reason": finish_reason}],
+                         "finish_reason": finish_reason, **(extras or {})}],
         }
         if include_usage:
             payload["usage"] = None
@@ -119,7 +124,7 @@ async def stream_chat(
                 yield formatter.chunk(index, {"content": output.new_text}, None, include_usage, logprobs)
             if output.finished:
                 completion_tokens += end
-                yield formatter.chunk(index, {}, output.finish_reason, include_usage)
+                yield formatter.chunk(index, {}, output.finish_reason, include_usage, extras=formatter.extras(output))
         if include_usage:
             yield sse({"id": formatter.request_id, "object": "chat.completion.chunk", "created": formatter.created,
                        "model": formatter.model, "choices": [],

@@ -19,6 +19,7 @@ from titan.server.serving import (
     ServerState,
     TokenTexts,
     choice_index,
+    degraded_headers,
     new_id,
     request_priority,
     run_to_completion,
@@ -29,10 +30,12 @@ from titan.server.serving import (
     tokenize,
     until_disconnect,
     usage,
+    wants_timeline,
 )
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request) -> Response:
+    arrival_time = time.monotonic()
     engine = state.serving_engine()
     check_model(body.model, [state.model_name])
     body.check()
@@ -55,27 +58,30 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     created = int(time.time())
     echoes = [tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
     texts = TokenTexts(tokenizer) if body.logprobs is not None else None
-    formatter = CompletionFormatter(request_id, created, state.model_name, texts)
+    formatter = CompletionFormatter(request_id, created, state.model_name, texts,
+                                    wants_timeline(body.titan_timeline, request.headers))
 
     if body.stream:
-        stream = await submit(state, request_id, choices, priority)
+        stream = await submit(state, request_id, choices, priority, arrival_time)
         return sse_response(stream_completion(stream, formatter, choices, prompt_ids, echoes, body), stream)
 
-    async def run() -> dict[str, Any]:
-        finals = await run_to_completion(state, request_id, choices, priority)
+    async def run() -> Response:
+        stream = await submit(state, request_id, choices, priority, arrival_time)
+        finals = await run_to_completion(stream)
         entries = []
         for choice in choices:
             output = finals[choice.index]
             echo = echoes[choice.prompt_index]
             logprobs = formatter.logprobs(output, 0, len(output.token_ids), len(echo)) if texts else None
             entries.append({"index": choice.index, "text": echo + output.text, "logprobs": logprobs,
-                            "finish_reason": output.finish_reason})
+                            "finish_reason": output.finish_reason, **formatter.extras(output)})
         completion_tokens = sum(len(output.token_ids) for output in finals.values())
-        return {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": entries, "usage": usage(sum(len(ids) for ids in prompt_ids), completion_tokens)}
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
+                             "model": state.model_name, "choices": entries,
+                             "usage": usage(sum(len(ids) for ids in prompt_ids), completion_tokens)},
+                            headers=degraded_headers(stream))
 
-    result = await until_disconnect(request, run())
-    return result if isinstance(result, Response) else JSONResponse(result)
+    return await until_disconnect(request, run())
 
 
 class CompletionFormatter(ResponseFormatter):
@@ -138,7 +144,8 @@ async def stream_completion(
             if output.finished:
                 completion_tokens += end
                 yield formatter.chunk([{"index": index, "text": "", "logprobs": None,
-                                        "finish_reason": output.finish_reason}], include_usage)
+                                        "finish_reason": output.finish_reason, **formatter.extras(output)}],
+                                      include_usage)
         if include_usage:
             yield sse({"id": formatter.request_id, "object": "text_completion", "created": formatter.created,
                        "model": formatter.model, "choices": [],

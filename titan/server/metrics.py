@@ -94,11 +94,17 @@ class ServerMetrics:
         self.admission_rejections = Counter(PREFIX + "admission_rejections_total",
                                             "Requests refused by admission control (HTTP 429), by reason.",
                                             ["model_name", "reason"], registry=self.registry)
+        self.degradations = Counter(PREFIX + "degraded_requests_total",
+                                    "Requests degraded under pressure (e.g. max_tokens clamped), by kind.",
+                                    ["model_name", "kind"], registry=self.registry)
         self._last_stats: EngineStats | None = None
 
     # ---- engine thread -------------------------------------------------------------------------
     def record_admission_rejection(self, reason: str) -> None:
         self.admission_rejections.labels(self._model_name, reason).inc()
+
+    def record_degradation(self, kind: str) -> None:
+        self.degradations.labels(self._model_name, kind).inc()
 
     def record_gc_pause(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(self._model_name, str(generation)).observe(seconds)

@@ -45,6 +45,8 @@ class SamplingRequest(BaseModel):
     priority: int | None = None  # None: from the X-Titan-Priority class header, else 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # Titan extension: return each choice's timeline (queued, prefill chunks, decode, stalls) when it finishes.
+    titan_timeline: bool = False
 
     def check_common(self) -> None:
         if self.n < 1 or self.n > MAX_N:

@@ -97,6 +97,32 @@ class ResponseFormatter:
     created: int
     model: str
     texts: TokenTexts | None
+    timeline: bool = False  # the client asked for `titan_timeline`
+
+    def extras(self, output: RequestOutput) -> dict[str, Any]:
+        """Titan's additions to a finished choice: its timeline (on request) and any degradation applied."""
+        fields: dict[str, Any] = {}
+        if self.timeline and output.timeline is not None:
+            fields["titan_timeline"] = output.timeline
+        if output.degradations:
+            fields["titan_degraded"] = output.degradations
+        return fields
+
+
+TIMELINE_HEADER = "x-titan-timeline"
+DEGRADED_HEADER = "X-Titan-Degraded"
+
+
+def wants_timeline(body_flag: bool, headers: Mapping[str, str]) -> bool:
+    """`"titan_timeline": true` in the body, or the X-Titan-Timeline header set to true/1/yes."""
+    return body_flag or headers.get(TIMELINE_HEADER, "").strip().lower() in ("1", "true", "yes")
+
+
+def degraded_headers(stream: OutputStream) -> dict[str, str]:
+    """`X-Titan-Degraded: max_tokens=64` when admission degraded any choice of the request."""
+    applied = {f"{kind}={change['applied']}" for changes in stream.degradations.values()
+               for kind, change in changes.items()}
+    return {DEGRADED_HEADER: ", ".join(sorted(applied))} if applied else {}
 
 
 PRIORITY_HEADER = "x-titan-priority"
@@ -116,10 +142,8 @@ def request_priority(body_priority: int | None, headers: Mapping[str, str]) -> i
     return PRIORITY_CLASSES[value.strip().lower()]
 
 
-async def run_to_completion(state: ServerState, request_id: str, choices: list[Choice],
-                            priority: int) -> dict[int, RequestOutput]:
-    """Submit every choice and wait for all of them (non-streaming responses): choice index → final."""
-    stream = await submit(state, request_id, choices, priority)
+async def run_to_completion(stream: OutputStream) -> dict[int, RequestOutput]:
+    """Wait for every choice of a submitted request (non-streaming responses): choice index → final."""
     finals: dict[int, RequestOutput] = {}
     try:
         async for output in stream:
@@ -132,9 +156,11 @@ async def run_to_completion(state: ServerState, request_id: str, choices: list[C
     return finals
 
 
-async def submit(state: ServerState, request_id: str, choices: list[Choice], priority: int) -> OutputStream:
-    requests = [EngineRequest(f"{request_id}-{choice.index}", choice.prompt_token_ids, choice.params, priority)
-                for choice in choices]
+async def submit(state: ServerState, request_id: str, choices: list[Choice], priority: int,
+                 arrival_time: float) -> OutputStream:
+    """Hand the choices to the engine; `arrival_time` (time.monotonic()) is when the HTTP request came in."""
+    requests = [EngineRequest(f"{request_id}-{choice.index}", choice.prompt_token_ids, choice.params, priority,
+                              arrival_time) for choice in choices]
     try:
         return await state.engine.submit(requests)
     except RequestRejected as error:
@@ -149,7 +175,7 @@ async def submit(state: ServerState, request_id: str, choices: list[Choice], pri
 def sse_response(body: AsyncIterator[bytes], stream: OutputStream) -> StreamingResponse:
     # The generator's own `finally` aborts on disconnect, but a client gone before the first chunk
     # cancels the response before the generator ever starts; the background task covers that case.
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS,
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS | degraded_headers(stream),
                              background=BackgroundTask(stream.abort))
 
 
