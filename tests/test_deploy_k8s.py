@@ -94,7 +94,7 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 def test_every_overlay_renders_the_expected_objects(rendered):
     kinds = {overlay: sorted(doc["kind"] for doc in docs) for overlay, docs in rendered.items()}
     common = ["Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "ServiceMonitor",
-              "Deployment", "Service", "Service"]  # the router, its Service, the headless Service
+              "Deployment", "Service", "Service", "PodDisruptionBudget"]  # the router's, and the headless Service
     assert kinds["cpu"] == sorted([*common, "HorizontalPodAutoscaler"])
     assert kinds["gpu"] == sorted([*common, "HorizontalPodAutoscaler"])
     assert kinds["gpu-keda"] == sorted([*common, "ScaledObject"])  # KEDA owns the HPA there
@@ -112,7 +112,7 @@ def test_built_in_objects_pass_strict_schema_validation(rendered):
                 version = version or kubernetes_validate.latest_version()
                 kubernetes_validate.validate(doc, version, strict=True)
                 checked += 1
-    assert checked == 2 * (8 + 8 + 7)  # with the router component's Deployment and two Services
+    assert checked == 2 * (9 + 9 + 8)  # with the router component's Deployment, two Services and budget
     # The validator does reject what it should: an unknown field under strict validation.
     broken = json.loads(json.dumps(only(rendered["cpu"], "Deployment", "titan")))
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
@@ -238,7 +238,7 @@ def test_services_budgets_and_monitors_select_the_pods(rendered):
         assert service["spec"]["selector"].items() <= pod_labels.items()
         container_ports = {port["name"] for port in container(documents)["ports"]}
         assert {port["targetPort"] for port in service["spec"]["ports"]} <= container_ports
-        pdb = only(documents, "PodDisruptionBudget")
+        pdb = only(documents, "PodDisruptionBudget", "titan")
         assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         assert "maxUnavailable" in pdb["spec"]  # minAvailable: 1 would block node drains at 1 replica
         monitor = only(documents, "ServiceMonitor")
@@ -395,3 +395,7 @@ def test_router_deployment_serves_its_service_with_probes_and_a_drain_that_fits(
         resources = router["resources"]
         assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"]
         assert deployment["spec"]["replicas"] >= 2
+        budget = only(documents, "PodDisruptionBudget", "titan-router")
+        assert selects(budget["spec"]["selector"]["matchLabels"], router_pods)
+        assert not selects(budget["spec"]["selector"]["matchLabels"], titan_pods)
+        assert budget["spec"]["maxUnavailable"] < deployment["spec"]["replicas"]
