@@ -137,12 +137,24 @@ def test_slo_policy_caps_prefill_chunks_to_the_itl_target() -> None:
 
 def test_slo_policy_still_progresses_prefills_when_the_target_is_unreachable() -> None:
     scheduler = make(policy="slo", budget=256, itl_slo_ms=5.0, cost_model=fixed_cost_model(0.010, 0.001))
+    decoder = sequence(4)
+    scheduler.add(decoder)
+    step(scheduler)
     long_prompt = sequence(40)
     other = sequence(40)
     scheduler.add(long_prompt)
     scheduler.add(other)
     output = step(scheduler)
-    assert [s.num_new_tokens for s in output.scheduled] == [16]  # min_prefill_chunk, and only one prefill
+    # The decode, then min_prefill_chunk of one prefill only.
+    assert [s.num_new_tokens for s in output.scheduled] == [1, 16]
+
+
+def test_slo_policy_does_not_chunk_a_step_without_decodes() -> None:
+    # Nobody is mid-stream: chunking would only delay first tokens.
+    scheduler = make(policy="slo", budget=256, itl_slo_ms=5.0, cost_model=fixed_cost_model(0.010, 0.001))
+    for _ in range(2):
+        scheduler.add(sequence(40))
+    assert [s.num_new_tokens for s in step(scheduler).scheduled] == [40, 40]
 
 
 def test_slo_policy_without_a_fitted_model_uses_the_budget() -> None:

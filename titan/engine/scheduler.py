@@ -36,19 +36,23 @@ class _StepBuilder:
         self.budget = budget
         self.shape = StepShape()
         self.has_prefill = False
+        self.has_decode = False  # someone in this step is mid-stream, waiting for its next token
 
     def add(self, scheduled: ScheduledSequence) -> None:
         self.output.scheduled.append(scheduled)
         self.budget -= scheduled.num_new_tokens
         self.shape = self.shape.plus(scheduled.num_new_tokens, scheduled.start_position)
         self.has_prefill = self.has_prefill or scheduled.num_new_tokens > 1
+        self.has_decode = self.has_decode or (
+            scheduled.num_new_tokens == 1 and scheduled.start_position >= len(scheduled.prompt_token_ids))
 
     def remove(self, seq_id: int) -> None:
         """Unschedule a sequence preempted after it was scheduled in this step."""
         kept = [s for s in self.output.scheduled if s.seq_id != seq_id]
         if len(kept) == len(self.output.scheduled):
             return
-        self.output.scheduled, self.budget, self.shape, self.has_prefill = [], self.total_budget, StepShape(), False
+        self.output.scheduled, self.budget, self.shape = [], self.total_budget, StepShape()
+        self.has_prefill = self.has_decode = False
         for scheduled in kept:
             self.add(scheduled)
 
@@ -163,7 +167,9 @@ class Scheduler:
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
         """Tokens to compute for `seq` this step: its remainder, within the budget and the ITL target."""
         num_new = min(seq.num_tokens - start, step.budget)
-        if num_new <= 1 or self.config.policy != "slo" or self.cost_model is None:
+        # Only a step that carries decodes has an inter-token latency to protect; one without any would
+        # just delay first tokens by chunking.
+        if num_new <= 1 or self.config.policy != "slo" or self.cost_model is None or not step.has_decode:
             return num_new
         target = self.config.itl_slo_ms / 1000.0
         capped = self.cost_model.max_chunk(step.shape, start, num_new, target)
