@@ -149,6 +149,30 @@ def test_slo_policy_still_progresses_prefills_when_the_target_is_unreachable() -
     assert [s.num_new_tokens for s in output.scheduled] == [1, 16]
 
 
+def test_slo_policy_lets_a_short_prompt_pass_a_long_prefill() -> None:
+    # 10 ms per step + 1 ms per token, target 40 ms: with one decode, 29 prefill tokens fit in a step.
+    scheduler = make(policy="slo", budget=256, num_blocks=256, itl_slo_ms=40.0,
+                     cost_model=fixed_cost_model(0.010, 0.001))
+    decoder = sequence(4, arrival=0.0)
+    scheduler.add(decoder)
+    step(scheduler)
+    long_prompt = sequence(400, arrival=1.0)
+    scheduler.add(long_prompt)
+    step(scheduler)
+    assert long_prompt.status is SequenceStatus.RUNNING and 0 < long_prompt.num_computed_tokens < 400
+    short = sequence(20, arrival=2.0)  # arrives later, but has less left to compute
+    scheduler.add(short)
+    scheduled = {s.seq_id: s.num_new_tokens for s in step(scheduler).scheduled}
+    assert scheduled[short.seq_id] == 20 and scheduled.get(long_prompt.seq_id, 0) <= 9
+    assert short.num_output_tokens == 1  # its first token, while the long prompt is still prefilling
+    # fcfs keeps arrival order: the short prompt waits behind the long one's chunks.
+    fcfs = make(policy="fcfs", budget=32, num_blocks=256)
+    first, second = sequence(400, arrival=1.0), sequence(20, arrival=2.0)
+    fcfs.add(first)
+    fcfs.add(second)
+    assert [s.seq_id for s in step(fcfs).scheduled] == [first.seq_id]
+
+
 def test_slo_policy_does_not_chunk_a_step_without_decodes() -> None:
     # Nobody is mid-stream: chunking would only delay first tokens.
     scheduler = make(policy="slo", budget=256, itl_slo_ms=5.0, cost_model=fixed_cost_model(0.010, 0.001))

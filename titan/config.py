@@ -120,7 +120,8 @@ class SchedulerConfig:
     fcfs: arrival order (vLLM's default). priority: lower `priority` runs first; a waiting request may
     preempt lower-priority running ones, also when `max_num_seqs` is the limit; waiting requests gain
     one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
-    so that each step's predicted duration stays within `itl_slo_ms`.
+    so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes), and
+    within a priority level the prefill with the fewest tokens left goes first.
     """
 
     max_num_batched_tokens: int = 512

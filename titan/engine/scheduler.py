@@ -125,21 +125,20 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(self.config.max_num_batched_tokens)
+        now = time.monotonic()
         # Decodes first: a long prompt that is still prefilling must never starve them of budget.
         decodes = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
         prefills = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        deferred: list[Sequence] = []
+        if self.config.policy == "slo" and self.waiting:
+            # A prefill already running yields to a waiting one with less left to do (see _prefill_key).
+            best_waiting = min(self._prefill_key(seq, now) for seq in self.waiting)
+            prefills.sort(key=lambda seq: self._prefill_key(seq, now))
+            deferred = [seq for seq in prefills if self._prefill_key(seq, now) > best_waiting]
+            prefills = prefills[:len(prefills) - len(deferred)]
         for seq in decodes + prefills:
-            if step.budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted as a victim earlier in this step
-            num_new = self._chunk(step, seq, seq.num_computed_tokens)
-            if num_new == 0:
-                continue
-            if self._allocate_or_preempt(step, seq, num_new):
-                step.add(self._scheduled(seq, num_new))
+            self._schedule_running(step, seq)
 
-        now = time.monotonic()
         # fcfs: a step that had to preempt admits nothing new, memory is already short.
         while self.waiting and step.budget > 0 and (self.uses_priority or not step.output.preempted_seq_ids):
             seq = self._next_waiting(now, step)
@@ -162,7 +161,22 @@ class Scheduler:
                 break
             self._admit(seq, num_cached, now)
             step.add(self._scheduled(seq, num_new))
+        for seq in deferred:
+            self._schedule_running(step, seq)
         return step.output
+
+    def _schedule_running(self, step: _StepBuilder, seq: Sequence) -> None:
+        if step.budget == 0 or seq.status is not SequenceStatus.RUNNING:
+            return  # out of budget, or preempted as a victim earlier in this step
+        num_new = self._chunk(step, seq, seq.num_computed_tokens)
+        if num_new > 0 and self._allocate_or_preempt(step, seq, num_new):
+            step.add(self._scheduled(seq, num_new))
+
+    def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
+        """slo's prefill order: priority (aged), then the fewest tokens left to compute, so a short prompt's
+        first token does not queue behind a long prompt's chunks; aging still lifts whoever waits long."""
+        return (self._aged_priority(seq, now), seq.num_tokens - seq.num_computed_tokens, seq.arrival_time,
+                seq.seq_id)
 
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
         """Tokens to compute for `seq` this step: its remainder, within the budget and the ITL target."""
@@ -183,6 +197,8 @@ class Scheduler:
             return self.waiting[0]
         preempted = step.output.preempted_seq_ids
         candidates = [seq for seq in self.waiting if seq.seq_id not in preempted]
+        if self.config.policy == "slo":
+            return min(candidates, key=lambda seq: self._prefill_key(seq, now), default=None)
         return min(candidates, key=lambda seq: (self._aged_priority(seq, now), seq.arrival_time, seq.seq_id),
                    default=None)
 
