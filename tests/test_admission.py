@@ -57,6 +57,20 @@ def test_predicted_ttft_and_retry_after() -> None:
     assert "Retry in 3 s" in str(error.value)
 
 
+def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
+    model = StepCostModel()
+    model.weights = np.array([0.05, 0.002, 0.0, 0.0])
+    admission = AdmissionController(AdmissionConfig(ttft_slo_ms=1000.0), model, 100, itl_target_seconds=0.1)
+    # 5 decodes take 60 ms, leaving 40 ms: 20 prefill tokens per 100 ms step; 250 tokens = 13 steps.
+    assert admission.predicted_prefill_seconds(250, num_running=5) == pytest.approx(1.3)
+    # Decodes alone over the target: prefill still moves min_prefill_chunk (16) tokens per step.
+    assert admission.predicted_prefill_seconds(32, num_running=40) == pytest.approx(2 * (0.05 + 0.002 * 56))
+    # Nothing decoding: no cap, budget-sized chunks as without the slo policy.
+    assert admission.predicted_prefill_seconds(250, num_running=0) == pytest.approx(0.65)
+    with pytest.raises(AdmissionRejectedError):
+        admission.check(seq(100), [seq(150)], num_running=5)  # 13 steps: 1.3 s > 1 s
+
+
 def test_no_limits_admit_everything_and_unfitted_model_predicts_nothing() -> None:
     admission = AdmissionController(AdmissionConfig(ttft_slo_ms=1.0), StepCostModel(), 100)
     admission.check(seq(5000), [seq(5000)] * 50, num_running=10)

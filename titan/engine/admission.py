@@ -29,21 +29,32 @@ class AdmissionRejectedError(Exception):
 
 
 class AdmissionController:
-    def __init__(self, config: AdmissionConfig, cost_model: StepCostModel, max_num_batched_tokens: int) -> None:
+    def __init__(self, config: AdmissionConfig, cost_model: StepCostModel, max_num_batched_tokens: int,
+                 itl_target_seconds: float | None = None, min_prefill_chunk: int = 16) -> None:
         self.config = config
         self.cost_model = cost_model
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The slo policy's step target: prefill then runs in capped chunks beside the decodes.
+        self.itl_target_seconds = itl_target_seconds
+        self.min_prefill_chunk = min_prefill_chunk
         self.rejections: dict[str, int] = {}
         self.degradations: dict[str, int] = {}
 
     def predicted_prefill_seconds(self, queued_tokens: int, num_running: int) -> float:
-        """Time to prefill `queued_tokens`, one budget-sized chunk per step beside the running decodes."""
+        """Time to prefill `queued_tokens` beside the running decodes, one chunk per step: budget-sized, or
+        under the slo policy the chunk that keeps a step with those decodes within its target."""
         if not self.cost_model.ready or queued_tokens <= 0:
             return 0.0
-        full_steps, rest = divmod(queued_tokens, self.max_num_batched_tokens)
-        step = self.cost_model.predict(StepShape(self.max_num_batched_tokens, num_running + 1))
-        last = self.cost_model.predict(StepShape(rest, num_running + 1)) if rest else 0.0
-        return full_steps * step + last
+        if self.itl_target_seconds is None or num_running == 0:
+            full_steps, rest = divmod(queued_tokens, self.max_num_batched_tokens)
+            step = self.cost_model.predict(StepShape(self.max_num_batched_tokens, num_running + 1))
+            last = self.cost_model.predict(StepShape(rest, num_running + 1)) if rest else 0.0
+            return full_steps * step + last
+        decodes = StepShape(num_running, num_running)
+        room = max(self.max_num_batched_tokens - num_running, 1)
+        chunk = max(self.cost_model.max_chunk(decodes, 0, room, self.itl_target_seconds),
+                    min(self.min_prefill_chunk, room))
+        return math.ceil(queued_tokens / chunk) * self.cost_model.predict(decodes.plus(chunk, 0))
 
     def check(self, seq: Sequence, waiting: list[Sequence], num_running: int) -> None:
         """Raise AdmissionRejectedError if `seq` should not join the queue now."""
