@@ -57,6 +57,17 @@ def test_predicted_ttft_and_retry_after() -> None:
     assert "Retry in 3 s" in str(error.value)
 
 
+def test_a_long_prompt_is_refused_for_the_queue_ahead_not_for_its_own_length() -> None:
+    admission = controller(ttft_slo_ms=1000.0)
+    # 600 tokens take 1.5 s alone, over the target: admitted while the wait ahead stays under 0.5 s...
+    admission.check(seq(600), [], num_running=0)
+    admission.check(seq(600), [seq(100)], num_running=0)  # 0.25 s ahead
+    # ...and refused when the queue ahead would take longer than that.
+    with pytest.raises(AdmissionRejectedError) as error:
+        admission.check(seq(600), [seq(100), seq(100), seq(100)], num_running=0)  # 0.75 s ahead
+    assert error.value.reason == "ttft_slo"
+
+
 def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
     model = StepCostModel()
     model.weights = np.array([0.05, 0.002, 0.0, 0.0])

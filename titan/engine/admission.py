@@ -1,7 +1,8 @@
 """Admission control: refuse work the server cannot start in time, rather than queue it forever.
 
 A new request is checked against the queue (requests and prompt tokens waiting) and against its
-predicted time to first token (the queued prefill work priced by the step cost model). Batch-class
+predicted time to first token (the queued prefill work priced by the step cost model); a long prompt,
+whose own prefill exceeds half the target, is judged by the wait ahead of it alone. Batch-class
 requests (priority > 0) only get `batch_share` of every limit, so they are shed first and interactive
 traffic keeps its headroom. A refusal says when to retry: the time the queue needs to drain.
 
@@ -67,10 +68,14 @@ class AdmissionController:
         if config.max_queued_tokens is not None and queued_tokens + seq.num_tokens > share * config.max_queued_tokens:
             self._reject("queue_tokens", f"{queued_tokens} prompt tokens are already queued", drain_seconds)
         if config.ttft_slo_ms is not None:
+            target = share * config.ttft_slo_ms / 1000.0
             ttft = self.predicted_prefill_seconds(queued_tokens + seq.num_tokens, num_running)
-            if ttft * 1000.0 > share * config.ttft_slo_ms:
+            own = self.predicted_prefill_seconds(seq.num_tokens, num_running)
+            # A prompt whose own prefill takes over half the target is long rather than late: it is refused
+            # only for the wait ahead of it (over half the target), or it could never be served at all.
+            if ttft - own + min(own, target / 2) > target:
                 self._reject("ttft_slo", f"its predicted time to first token is {ttft * 1000:.0f} ms, over the "
-                             f"{share * config.ttft_slo_ms:.0f} ms target", drain_seconds)
+                             f"{target * 1000:.0f} ms target", drain_seconds)
 
     def degrade(self, seq: Sequence, waiting: list[Sequence], max_tokens: int) -> None:
         """Clamp a batch-class request's max_tokens (`max_tokens` is its effective limit now) under pressure."""
