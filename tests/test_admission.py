@@ -5,17 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from titan.config import AdmissionConfig
+from titan.config import AdmissionConfig, SchedulerConfig
 from titan.engine.admission import AdmissionController, AdmissionRejectedError
 from titan.engine.cost_model import StepCostModel
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.sequence import Sequence
 
 
-def controller(**limits) -> AdmissionController:
+def controller(policy: str = "fcfs", itl_slo_ms: float | None = None, **limits) -> AdmissionController:
     model = StepCostModel()
     model.weights = np.array([0.05, 0.002, 0.0, 0.0])  # 50 ms per step + 2 ms per token
-    return AdmissionController(AdmissionConfig(**limits), model, max_num_batched_tokens=100)
+    scheduling = SchedulerConfig(max_num_batched_tokens=100, policy=policy, itl_slo_ms=itl_slo_ms)
+    return AdmissionController(AdmissionConfig(**limits), model, scheduling)
 
 
 def seq(tokens: int, priority: int = 0) -> Sequence:
@@ -68,10 +69,22 @@ def test_a_long_prompt_is_refused_for_the_queue_ahead_not_for_its_own_length() -
     assert error.value.reason == "ttft_slo"
 
 
+def test_only_the_requests_the_scheduler_runs_first_count_as_ahead() -> None:
+    long_batch, long_interactive, short = seq(150, priority=1), seq(150), seq(20)
+    waiting = [long_batch, long_interactive, short]
+    newcomer = seq(30)
+    assert controller("fcfs").ahead_of(newcomer, waiting) == waiting
+    assert controller("priority").ahead_of(newcomer, waiting) == [long_interactive, short]
+    # slo prefills the fewest remaining tokens first within a priority level.
+    assert controller("slo", itl_slo_ms=100.0).ahead_of(newcomer, waiting) == [short]
+    # So a short prompt is admitted past queued long ones that fcfs would make it wait behind.
+    with pytest.raises(AdmissionRejectedError):
+        controller("fcfs", ttft_slo_ms=500.0).check(newcomer, waiting, num_running=0)
+    controller("slo", itl_slo_ms=100.0, ttft_slo_ms=500.0).check(newcomer, waiting, num_running=0)
+
+
 def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
-    model = StepCostModel()
-    model.weights = np.array([0.05, 0.002, 0.0, 0.0])
-    admission = AdmissionController(AdmissionConfig(ttft_slo_ms=1000.0), model, 100, itl_target_seconds=0.1)
+    admission = controller("slo", itl_slo_ms=100.0, ttft_slo_ms=1000.0)
     # 5 decodes take 60 ms, leaving 40 ms: 20 prefill tokens per 100 ms step; 250 tokens = 13 steps.
     assert admission.predicted_prefill_seconds(250, num_running=5) == pytest.approx(1.3)
     # Decodes alone over the target: prefill still moves min_prefill_chunk (16) tokens per step.
@@ -79,11 +92,13 @@ def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
     # Nothing decoding: no cap, budget-sized chunks as without the slo policy.
     assert admission.predicted_prefill_seconds(250, num_running=0) == pytest.approx(0.65)
     with pytest.raises(AdmissionRejectedError):
-        admission.check(seq(100), [seq(150)], num_running=5)  # 13 steps: 1.3 s > 1 s
+        # 150 tokens ahead take 8 steps, 0.8 s, and its own 200 tokens are long: 0.8 + 0.5 s > 1 s.
+        admission.check(seq(200), [seq(150)], num_running=5)
 
 
 def test_no_limits_admit_everything_and_unfitted_model_predicts_nothing() -> None:
-    admission = AdmissionController(AdmissionConfig(ttft_slo_ms=1.0), StepCostModel(), 100)
+    admission = AdmissionController(AdmissionConfig(ttft_slo_ms=1.0), StepCostModel(),
+                                    SchedulerConfig(max_num_batched_tokens=100))
     admission.check(seq(5000), [seq(5000)] * 50, num_running=10)
     assert admission.predicted_prefill_seconds(10_000, 10) == 0.0
 

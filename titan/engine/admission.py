@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from titan.config import AdmissionConfig
+from titan.config import AdmissionConfig, SchedulerConfig
 from titan.engine.cost_model import StepCostModel, StepShape
 from titan.engine.sequence import Sequence
 
@@ -30,16 +30,29 @@ class AdmissionRejectedError(Exception):
 
 
 class AdmissionController:
-    def __init__(self, config: AdmissionConfig, cost_model: StepCostModel, max_num_batched_tokens: int,
-                 itl_target_seconds: float | None = None, min_prefill_chunk: int = 16) -> None:
+    def __init__(self, config: AdmissionConfig, cost_model: StepCostModel, scheduling: SchedulerConfig) -> None:
         self.config = config
         self.cost_model = cost_model
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduling = scheduling
+        self.max_num_batched_tokens = scheduling.max_num_batched_tokens
         # The slo policy's step target: prefill then runs in capped chunks beside the decodes.
-        self.itl_target_seconds = itl_target_seconds
-        self.min_prefill_chunk = min_prefill_chunk
+        slo = scheduling.policy == "slo" and scheduling.itl_slo_ms is not None
+        self.itl_target_seconds = scheduling.itl_slo_ms / 1000.0 if slo else None
         self.rejections: dict[str, int] = {}
         self.degradations: dict[str, int] = {}
+
+    def ahead_of(self, seq: Sequence, waiting: list[Sequence]) -> list[Sequence]:
+        """The waiting requests the scheduler would prefill before `seq` (aging aside): all of them under
+        fcfs, those of the same or a better priority under priority, and under slo also, within its own
+        priority, only those with no more tokens to compute."""
+        policy = self.scheduling.policy
+        if policy == "fcfs":
+            return waiting
+        if policy == "priority":
+            return [s for s in waiting if s.priority <= seq.priority]
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        return [s for s in waiting if s.priority < seq.priority
+                or (s.priority == seq.priority and s.num_tokens - s.num_computed_tokens <= remaining)]
 
     def predicted_prefill_seconds(self, queued_tokens: int, num_running: int) -> float:
         """Time to prefill `queued_tokens` beside the running decodes, one chunk per step: budget-sized, or
@@ -54,7 +67,7 @@ class AdmissionController:
         decodes = StepShape(num_running, num_running)
         room = max(self.max_num_batched_tokens - num_running, 1)
         chunk = max(self.cost_model.max_chunk(decodes, 0, room, self.itl_target_seconds),
-                    min(self.min_prefill_chunk, room))
+                    min(self.scheduling.min_prefill_chunk, room))
         return math.ceil(queued_tokens / chunk) * self.cost_model.predict(decodes.plus(chunk, 0))
 
     def check(self, seq: Sequence, waiting: list[Sequence], num_running: int) -> None:
@@ -69,7 +82,8 @@ class AdmissionController:
             self._reject("queue_tokens", f"{queued_tokens} prompt tokens are already queued", drain_seconds)
         if config.ttft_slo_ms is not None:
             target = share * config.ttft_slo_ms / 1000.0
-            ttft = self.predicted_prefill_seconds(queued_tokens + seq.num_tokens, num_running)
+            ahead_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.ahead_of(seq, waiting))
+            ttft = self.predicted_prefill_seconds(ahead_tokens + seq.num_tokens, num_running)
             own = self.predicted_prefill_seconds(seq.num_tokens, num_running)
             # A prompt whose own prefill takes over half the target is long rather than late: it is refused
             # only for the wait ahead of it (over half the target), or it could never be served at all.

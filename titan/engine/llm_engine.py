@@ -121,10 +121,7 @@ class LLMEngine:
         # Fitted online to every step; the slo policy caps prefill chunks with it.
         self.cost_model = StepCostModel()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model)
-        scheduling = config.scheduler
-        itl_target = scheduling.itl_slo_ms / 1000.0 if scheduling.policy == "slo" and scheduling.itl_slo_ms else None
-        self.admission = AdmissionController(config.admission, self.cost_model, scheduling.max_num_batched_tokens,
-                                             itl_target, scheduling.min_prefill_chunk)
+        self.admission = AdmissionController(config.admission, self.cost_model, config.scheduler)
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.gc_monitor = GcMonitor.install()
         sampler = Sampler(eos, seed=config.seed)
