@@ -7,7 +7,7 @@ import pytest
 
 from titan.config import AdmissionConfig, SchedulerConfig
 from titan.engine.admission import AdmissionController, AdmissionRejectedError
-from titan.engine.cost_model import StepCostModel
+from titan.engine.cost_model import StepCostModel, StepShape
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.sequence import Sequence
 
@@ -23,37 +23,54 @@ def seq(tokens: int, priority: int = 0) -> Sequence:
     return Sequence(list(range(tokens)), SamplingParams(), priority=priority)
 
 
+def decoding(count: int) -> list[Sequence]:
+    """Running sequences past their prompts: one decode token each per step."""
+    running = [seq(10) for _ in range(count)]
+    for running_seq in running:
+        running_seq.num_computed_tokens = running_seq.num_tokens - 1
+    return running
+
+
+def shape(running: list[Sequence]) -> StepShape:
+    result = StepShape()
+    for running_seq in running:
+        result = result.plus(1, running_seq.num_tokens - 1)
+    return result
+
+
 def test_queue_bound_and_batch_is_shed_first() -> None:
     admission = controller(max_queued_requests=4)
     waiting = [seq(10), seq(10)]
-    admission.check(seq(10), waiting, num_running=0)  # interactive: 3 of 4
+    admission.check(seq(10), waiting, running=[])  # interactive: 3 of 4
     with pytest.raises(AdmissionRejectedError) as batch:
-        admission.check(seq(10, priority=1), waiting, num_running=0)  # batch may use 2 of 4
+        admission.check(seq(10, priority=1), waiting, running=[])  # batch may use 2 of 4
     assert batch.value.reason == "queue_requests"
     with pytest.raises(AdmissionRejectedError):
-        admission.check(seq(10), [*waiting, seq(10), seq(10)], num_running=0)
+        admission.check(seq(10), [*waiting, seq(10), seq(10)], running=[])
     assert admission.rejections == {"queue_requests": 2}
 
 
 def test_token_bound() -> None:
     admission = controller(max_queued_tokens=100)
-    admission.check(seq(40), [seq(50)], num_running=0)
+    admission.check(seq(40), [seq(50)], running=[])
     with pytest.raises(AdmissionRejectedError) as error:
-        admission.check(seq(60), [seq(50)], num_running=0)
+        admission.check(seq(60), [seq(50)], running=[])
     assert error.value.reason == "queue_tokens"
 
 
 def test_predicted_ttft_and_retry_after() -> None:
     admission = controller(ttft_slo_ms=1000.0)
     # 250 queued tokens = 2 full steps of 100 (0.25 s each) + one of 50 (0.15 s) = 0.65 s.
-    assert admission.predicted_prefill_seconds(250, num_running=3) == pytest.approx(0.65)
-    admission.check(seq(50), [seq(150)], num_running=0)  # 200 tokens: 0.5 s ≤ 1 s
+    assert admission.predicted_prefill_seconds(250, StepShape()) == pytest.approx(0.65)
+    # Beside 3 decodes a step has room for 97: 2 × (0.05 + 0.2) + (0.05 + 0.002 × 59) s.
+    assert admission.predicted_prefill_seconds(250, shape(decoding(3))) == pytest.approx(0.668)
+    admission.check(seq(50), [seq(150)], running=[])  # 200 tokens: 0.5 s ≤ 1 s
     with pytest.raises(AdmissionRejectedError) as batch:
-        admission.check(seq(60, priority=1), [seq(150)], num_running=0)  # 0.57 s, batch target: 0.5 s
+        admission.check(seq(60, priority=1), [seq(150)], running=[])  # 0.57 s, batch target: 0.5 s
     assert batch.value.reason == "ttft_slo"
     long_queue = [seq(100) for _ in range(12)]  # 12 steps × 0.25 s = 3 s to drain
     with pytest.raises(AdmissionRejectedError) as error:
-        admission.check(seq(10), long_queue, num_running=0)
+        admission.check(seq(10), long_queue, running=[])
     assert error.value.retry_after_seconds == 3
     assert "Retry in 3 s" in str(error.value)
 
@@ -61,11 +78,11 @@ def test_predicted_ttft_and_retry_after() -> None:
 def test_a_long_prompt_is_refused_for_the_queue_ahead_not_for_its_own_length() -> None:
     admission = controller(ttft_slo_ms=1000.0)
     # 600 tokens take 1.5 s alone, over the target: admitted while the wait ahead stays under 0.5 s...
-    admission.check(seq(600), [], num_running=0)
-    admission.check(seq(600), [seq(100)], num_running=0)  # 0.25 s ahead
+    admission.check(seq(600), [], running=[])
+    admission.check(seq(600), [seq(100)], running=[])  # 0.25 s ahead
     # ...and refused when the queue ahead would take longer than that.
     with pytest.raises(AdmissionRejectedError) as error:
-        admission.check(seq(600), [seq(100), seq(100), seq(100)], num_running=0)  # 0.75 s ahead
+        admission.check(seq(600), [seq(100), seq(100), seq(100)], running=[])  # 0.75 s ahead
     assert error.value.reason == "ttft_slo"
 
 
@@ -79,28 +96,33 @@ def test_only_the_requests_the_scheduler_runs_first_count_as_ahead() -> None:
     assert controller("slo", itl_slo_ms=100.0).ahead_of(newcomer, waiting) == [short]
     # So a short prompt is admitted past queued long ones that fcfs would make it wait behind.
     with pytest.raises(AdmissionRejectedError):
-        controller("fcfs", ttft_slo_ms=500.0).check(newcomer, waiting, num_running=0)
-    controller("slo", itl_slo_ms=100.0, ttft_slo_ms=500.0).check(newcomer, waiting, num_running=0)
+        controller("fcfs", ttft_slo_ms=500.0).check(newcomer, waiting, running=[])
+    controller("slo", itl_slo_ms=100.0, ttft_slo_ms=500.0).check(newcomer, waiting, running=[])
 
 
 def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
     admission = controller("slo", itl_slo_ms=100.0, ttft_slo_ms=1000.0)
-    # 5 decodes take 60 ms, leaving 40 ms: 20 prefill tokens per 100 ms step; 250 tokens = 13 steps.
-    assert admission.predicted_prefill_seconds(250, num_running=5) == pytest.approx(1.3)
+    # 5 decodes take 60 ms, leaving 40 ms: 20 prefill tokens per 100 ms step; 250 tokens = 12.5 steps.
+    assert admission.predicted_prefill_seconds(250, shape(decoding(5))) == pytest.approx(12 * 0.1 + 0.08)
     # Decodes alone over the target: prefill still moves min_prefill_chunk (16) tokens per step.
-    assert admission.predicted_prefill_seconds(32, num_running=40) == pytest.approx(2 * (0.05 + 0.002 * 56))
+    assert admission.predicted_prefill_seconds(32, shape(decoding(40))) == pytest.approx(2 * (0.05 + 0.002 * 56))
     # Nothing decoding: no cap, budget-sized chunks as without the slo policy.
-    assert admission.predicted_prefill_seconds(250, num_running=0) == pytest.approx(0.65)
+    assert admission.predicted_prefill_seconds(250, StepShape()) == pytest.approx(0.65)
     with pytest.raises(AdmissionRejectedError):
-        # 150 tokens ahead take 8 steps, 0.8 s, and its own 200 tokens are long: 0.8 + 0.5 s > 1 s.
-        admission.check(seq(200), [seq(150)], num_running=5)
+        # 150 tokens ahead take 0.8 s, and its own 200 tokens are long: 0.8 + 0.5 s > 1 s.
+        admission.check(seq(200), [seq(150)], running=decoding(5))
+    # A running prompt still prefilling is ahead too, when it has less left.
+    prefilling = seq(150)
+    admission.check(seq(200), [], running=decoding(5))  # long, but nothing ahead of it
+    with pytest.raises(AdmissionRejectedError):
+        admission.check(seq(200), [], running=[*decoding(4), prefilling])
 
 
 def test_no_limits_admit_everything_and_unfitted_model_predicts_nothing() -> None:
     admission = AdmissionController(AdmissionConfig(ttft_slo_ms=1.0), StepCostModel(),
                                     SchedulerConfig(max_num_batched_tokens=100))
-    admission.check(seq(5000), [seq(5000)] * 50, num_running=10)
-    assert admission.predicted_prefill_seconds(10_000, 10) == 0.0
+    admission.check(seq(5000), [seq(5000)] * 50, running=decoding(10))
+    assert admission.predicted_prefill_seconds(10_000, shape(decoding(10))) == 0.0
 
 
 def test_config_validation() -> None:

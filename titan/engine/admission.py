@@ -54,37 +54,40 @@ class AdmissionController:
         return [s for s in waiting if s.priority < seq.priority
                 or (s.priority == seq.priority and s.num_tokens - s.num_computed_tokens <= remaining)]
 
-    def predicted_prefill_seconds(self, queued_tokens: int, num_running: int) -> float:
-        """Time to prefill `queued_tokens` beside the running decodes, one chunk per step: budget-sized, or
-        under the slo policy the chunk that keeps a step with those decodes within its target."""
-        if not self.cost_model.ready or queued_tokens <= 0:
+    def predicted_prefill_seconds(self, tokens: int, decodes: StepShape) -> float:
+        """Time to prefill `tokens` beside the running `decodes`, one chunk per step: the rest of the budget,
+        or under the slo policy the chunk that keeps a step with those decodes within its target."""
+        if not self.cost_model.ready or tokens <= 0:
             return 0.0
-        if self.itl_target_seconds is None or num_running == 0:
-            full_steps, rest = divmod(queued_tokens, self.max_num_batched_tokens)
-            step = self.cost_model.predict(StepShape(self.max_num_batched_tokens, num_running + 1))
-            last = self.cost_model.predict(StepShape(rest, num_running + 1)) if rest else 0.0
-            return full_steps * step + last
-        decodes = StepShape(num_running, num_running)
-        room = max(self.max_num_batched_tokens - num_running, 1)
-        chunk = max(self.cost_model.max_chunk(decodes, 0, room, self.itl_target_seconds),
-                    min(self.scheduling.min_prefill_chunk, room))
-        return math.ceil(queued_tokens / chunk) * self.cost_model.predict(decodes.plus(chunk, 0))
+        chunk = max(self.max_num_batched_tokens - decodes.num_tokens, 1)
+        if self.itl_target_seconds is not None and decodes.num_sequences > 0:
+            chunk = max(self.cost_model.max_chunk(decodes, 0, chunk, self.itl_target_seconds),
+                        min(self.scheduling.min_prefill_chunk, chunk))
+        full_steps, rest = divmod(tokens, chunk)
+        last = self.cost_model.predict(decodes.plus(rest, 0)) if rest else 0.0
+        return full_steps * self.cost_model.predict(decodes.plus(chunk, 0)) + last
 
-    def check(self, seq: Sequence, waiting: list[Sequence], num_running: int) -> None:
+    def check(self, seq: Sequence, waiting: list[Sequence], running: list[Sequence]) -> None:
         """Raise AdmissionRejectedError if `seq` should not join the queue now."""
         config = self.config
         share = config.batch_share if seq.priority > 0 else 1.0
         queued_tokens = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
-        drain_seconds = self.predicted_prefill_seconds(queued_tokens, num_running)
+        # Every running sequence as one decode at its context: the steps any prefill will share.
+        decodes = StepShape()
+        for other in running:
+            decodes = decodes.plus(1, other.num_tokens - 1)
+        drain_seconds = self.predicted_prefill_seconds(queued_tokens, decodes)
         if config.max_queued_requests is not None and len(waiting) + 1 > share * config.max_queued_requests:
             self._reject("queue_requests", f"{len(waiting)} requests are already queued", drain_seconds)
         if config.max_queued_tokens is not None and queued_tokens + seq.num_tokens > share * config.max_queued_tokens:
             self._reject("queue_tokens", f"{queued_tokens} prompt tokens are already queued", drain_seconds)
         if config.ttft_slo_ms is not None:
             target = share * config.ttft_slo_ms / 1000.0
-            ahead_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.ahead_of(seq, waiting))
-            ttft = self.predicted_prefill_seconds(ahead_tokens + seq.num_tokens, num_running)
-            own = self.predicted_prefill_seconds(seq.num_tokens, num_running)
+            # Running prompts still prefilling compete for the same chunks as the waiting ones.
+            prefilling = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
+            ahead_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.ahead_of(seq, waiting + prefilling))
+            ttft = self.predicted_prefill_seconds(ahead_tokens + seq.num_tokens, decodes)
+            own = self.predicted_prefill_seconds(seq.num_tokens, decodes)
             # A prompt whose own prefill takes over half the target is long rather than late: it is refused
             # only for the wait ahead of it (over half the target), or it could never be served at all.
             if ttft - own + min(own, target / 2) > target:
