@@ -86,18 +86,16 @@ def test_a_long_prompt_is_refused_for_the_queue_ahead_not_for_its_own_length() -
     assert error.value.reason == "ttft_slo"
 
 
-def test_only_the_requests_the_scheduler_runs_first_count_as_ahead() -> None:
+def test_only_the_work_the_scheduler_runs_first_counts_as_ahead() -> None:
+    # Which work is ahead is the scheduler's call (tests/test_scheduler_policies.py); admission prices it.
     long_batch, long_interactive, short = seq(150, priority=1), seq(150), seq(20)
     waiting = [long_batch, long_interactive, short]
     newcomer = seq(30)
-    assert controller("fcfs").ahead_of(newcomer, waiting) == waiting
-    assert controller("priority").ahead_of(newcomer, waiting) == [long_interactive, short]
-    # slo prefills the fewest remaining tokens first within a priority level.
-    assert controller("slo", itl_slo_ms=100.0).ahead_of(newcomer, waiting) == [short]
-    # So a short prompt is admitted past queued long ones that fcfs would make it wait behind.
+    # By default everything queued is ahead (fcfs): 350 tokens, 0.9 s > 0.5 s.
     with pytest.raises(AdmissionRejectedError):
         controller("fcfs", ttft_slo_ms=500.0).check(newcomer, waiting, running=[])
-    controller("slo", itl_slo_ms=100.0, ttft_slo_ms=500.0).check(newcomer, waiting, running=[])
+    # slo runs only the shorter prompt first: a short prompt is admitted past queued long ones.
+    controller("slo", itl_slo_ms=100.0, ttft_slo_ms=500.0).check(newcomer, waiting, running=[], ahead=[short])
 
 
 def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
@@ -111,11 +109,13 @@ def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
     with pytest.raises(AdmissionRejectedError):
         # 150 tokens ahead take 0.8 s, and its own 200 tokens are long: 0.8 + 0.5 s > 1 s.
         admission.check(seq(200), [seq(150)], running=decoding(5))
-    # A running prompt still prefilling is ahead too, when it has less left.
+    # A running prompt still prefilling is ahead too.
     prefilling = seq(150)
     admission.check(seq(200), [], running=decoding(5))  # long, but nothing ahead of it
     with pytest.raises(AdmissionRejectedError):
         admission.check(seq(200), [], running=[*decoding(4), prefilling])
+    with pytest.raises(AdmissionRejectedError):
+        admission.check(seq(200), [], running=[*decoding(4), prefilling], ahead=[prefilling])
 
 
 def test_no_limits_admit_everything_and_unfitted_model_predicts_nothing() -> None:

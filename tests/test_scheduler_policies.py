@@ -173,6 +173,30 @@ def test_slo_policy_lets_a_short_prompt_pass_a_long_prefill() -> None:
     assert [s.seq_id for s in step(fcfs).scheduled] == [first.seq_id]
 
 
+def test_ahead_of_is_the_queued_work_each_policy_runs_first() -> None:
+    schedulers = {policy: make(policy=policy, budget=64, num_blocks=256, itl_slo_ms=100.0,
+                               cost_model=fixed_cost_model(0.010, 0.001))
+                  for policy in ("fcfs", "priority", "slo")}
+    for policy, scheduler in schedulers.items():
+        prefilling = sequence(150, arrival=0.0)  # admitted: 64 of its 150 tokens computed in the first step
+        scheduler.add(prefilling)
+        step(scheduler)
+        assert prefilling.status is SequenceStatus.RUNNING and 0 < prefilling.num_computed_tokens < 150
+        long_batch, long_interactive, short = (sequence(150, priority=1, arrival=1.0), sequence(150, arrival=2.0),
+                                               sequence(20, arrival=3.0))
+        for seq in (long_batch, long_interactive, short):
+            scheduler.waiting.append(seq)  # queued, as if every step's budget had gone elsewhere
+            seq.status = SequenceStatus.WAITING
+        newcomer = sequence(30, arrival=4.0)
+        ahead = scheduler.ahead_of(newcomer)
+        if policy == "fcfs":
+            assert ahead == [prefilling, long_batch, long_interactive, short]
+        elif policy == "priority":
+            assert ahead == [prefilling, long_interactive, short]
+        else:  # slo: within a priority level, the fewest tokens left first (86 left > 30)
+            assert ahead == [short]
+
+
 def test_slo_policy_does_not_chunk_a_step_without_decodes() -> None:
     # Nobody is mid-stream: chunking would only delay first tokens.
     scheduler = make(policy="slo", budget=256, itl_slo_ms=5.0, cost_model=fixed_cost_model(0.010, 0.001))

@@ -41,19 +41,6 @@ class AdmissionController:
         self.rejections: dict[str, int] = {}
         self.degradations: dict[str, int] = {}
 
-    def ahead_of(self, seq: Sequence, waiting: list[Sequence]) -> list[Sequence]:
-        """The waiting requests the scheduler would prefill before `seq` (aging aside): all of them under
-        fcfs, those of the same or a better priority under priority, and under slo also, within its own
-        priority, only those with no more tokens to compute."""
-        policy = self.scheduling.policy
-        if policy == "fcfs":
-            return waiting
-        if policy == "priority":
-            return [s for s in waiting if s.priority <= seq.priority]
-        remaining = seq.num_tokens - seq.num_computed_tokens
-        return [s for s in waiting if s.priority < seq.priority
-                or (s.priority == seq.priority and s.num_tokens - s.num_computed_tokens <= remaining)]
-
     def predicted_prefill_seconds(self, tokens: int, decodes: StepShape) -> float:
         """Time to prefill `tokens` beside the running `decodes`, one chunk per step: the rest of the budget,
         or under the slo policy the chunk that keeps a step with those decodes within its target."""
@@ -67,8 +54,10 @@ class AdmissionController:
         last = self.cost_model.predict(decodes.plus(rest, 0)) if rest else 0.0
         return full_steps * self.cost_model.predict(decodes.plus(chunk, 0)) + last
 
-    def check(self, seq: Sequence, waiting: list[Sequence], running: list[Sequence]) -> None:
-        """Raise AdmissionRejectedError if `seq` should not join the queue now."""
+    def check(self, seq: Sequence, waiting: list[Sequence], running: list[Sequence],
+              ahead: list[Sequence] | None = None) -> None:
+        """Raise AdmissionRejectedError if `seq` should not join the queue now. `ahead` is the queued prefill
+        work the scheduler would run before `seq` (Scheduler.ahead_of); None: all of it, in arrival order."""
         config = self.config
         share = config.batch_share if seq.priority > 0 else 1.0
         queued_tokens = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
@@ -83,9 +72,9 @@ class AdmissionController:
             self._reject("queue_tokens", f"{queued_tokens} prompt tokens are already queued", drain_seconds)
         if config.ttft_slo_ms is not None:
             target = share * config.ttft_slo_ms / 1000.0
-            # Running prompts still prefilling compete for the same chunks as the waiting ones.
-            prefilling = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
-            ahead_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.ahead_of(seq, waiting + prefilling))
+            if ahead is None:  # running prompts still prefilling compete for the same chunks as the waiting
+                ahead = [s for s in running if s.num_tokens - s.num_computed_tokens > 1] + waiting
+            ahead_tokens = sum(s.num_tokens - s.num_computed_tokens for s in ahead)
             ttft = self.predicted_prefill_seconds(ahead_tokens + seq.num_tokens, decodes)
             own = self.predicted_prefill_seconds(seq.num_tokens, decodes)
             # A prompt whose own prefill takes over half the target is long rather than late: it is refused

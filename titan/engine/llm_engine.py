@@ -155,7 +155,7 @@ class LLMEngine:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.scheduler.check_admissible(seq)
         waiting = list(self.scheduler.waiting)
-        self.admission.check(seq, waiting, self.scheduler.running)
+        self.admission.check(seq, waiting, self.scheduler.running, self.scheduler.ahead_of(seq))
         self.admission.degrade(seq, waiting, self.scheduler.max_length(seq) - seq.num_prompt_tokens)
         self.scheduler.add(seq)
         self.output_processor.add(seq)

@@ -197,10 +197,26 @@ class Scheduler:
             return self.waiting[0]
         preempted = step.output.preempted_seq_ids
         candidates = [seq for seq in self.waiting if seq.seq_id not in preempted]
+        return min(candidates, key=lambda seq: self._waiting_key(seq, now), default=None)
+
+    def _waiting_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
+        """Priority policies' admission order: aged priority then arrival; slo puts fewer tokens left first."""
         if self.config.policy == "slo":
-            return min(candidates, key=lambda seq: self._prefill_key(seq, now), default=None)
-        return min(candidates, key=lambda seq: (self._aged_priority(seq, now), seq.arrival_time, seq.seq_id),
-                   default=None)
+            return self._prefill_key(seq, now)
+        return (self._aged_priority(seq, now), 0, seq.arrival_time, seq.seq_id)
+
+    def ahead_of(self, seq: Sequence) -> list[Sequence]:
+        """The queued prefill work this policy would run before `seq` if it arrived now (admission prices it):
+        running prompts still prefilling, and the waiting sequences that rank before it."""
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        if not self.uses_priority:
+            return prefilling + list(self.waiting)
+        now = time.monotonic()
+        key = self._waiting_key(seq, now)
+        waiting = [s for s in self.waiting if self._waiting_key(s, now) < key]
+        if self.config.policy == "priority":
+            return prefilling + waiting  # running prefills are scheduled before any admission
+        return [s for s in prefilling if self._prefill_key(s, now) < key] + waiting
 
     def _admit(self, seq: Sequence, num_cached: int, now: float) -> None:
         self.waiting.remove(seq)
