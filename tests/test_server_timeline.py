@@ -6,7 +6,6 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from titan.server.launcher import ServerProcess
 
@@ -83,10 +82,6 @@ def test_batch_degradation_is_visible_and_counted(server: ServerProcess) -> None
         events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
     degraded = [event["choices"][0] for event in events if "titan_degraded" in event["choices"][0]]
     assert len(degraded) == 2 and all(choice["finish_reason"] == "length" for choice in degraded)
-    counted = 0.0
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == "titan:degraded_requests_total":
-                assert sample.labels["kind"] == "max_tokens"
-                counted += sample.value
-    assert counted == 4
+    counted = server.metric_samples("titan:degraded_requests_total")
+    assert all(sample.labels["kind"] == "max_tokens" for sample in counted)
+    assert sum(sample.value for sample in counted) == 4

@@ -13,6 +13,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
 # `python -m titan...` must find this checkout whatever the caller's working directory.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +75,13 @@ class ServerProcess:
             return int(error.code)
         except OSError:
             return None
+
+    def metric_samples(self, name: str) -> list[Sample]:
+        """Every sample of the metric `name` (e.g. `titan:admission_rejections_total`) on /metrics now."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == name]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
