@@ -20,3 +20,18 @@ def make_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
             "made machines smaller, cheaper and more reliable. ")
     return [tokenizer.encode(f"Document {i}: " + base * 8 + f" Question {i}: what came next?")[:length]
             for i in range(count)]
+
+
+def cpu_description() -> str:
+    """The CPU model and the vector extensions that decide kernel speed (benchmarks print it)."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    return f"{model} ({' '.join(flag for flag in wanted if flag in flags) or 'no AVX2'})"

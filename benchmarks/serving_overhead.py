@@ -29,9 +29,9 @@ import torch
 from common import make_prompts, write_result
 from prometheus_client.parser import text_string_to_metric_families
 
+from titan.config_flags import engine_config
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.sampling_params import SamplingParams
-from titan.entrypoints.llm import build_engine_config
 from titan.server.launcher import ServerProcess
 
 NUM_CLIENTS = 32
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/serving_overhead.json"))
     args = parser.parse_args()
 
-    engine = LLMEngine(build_engine_config("default", **ENGINE_FLAGS))
+    engine = LLMEngine(engine_config("default", **ENGINE_FLAGS))
     engine.warmup()
     prompts = make_prompts(engine.tokenizer, NUM_CLIENTS, PROMPT_TOKENS)
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)

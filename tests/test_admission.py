@@ -71,12 +71,25 @@ def test_predicted_ttft_and_retry_after() -> None:
     long_queue = [seq(100) for _ in range(12)]  # 12 steps × 0.25 s = 3 s to drain
     with pytest.raises(AdmissionRejectedError) as error:
         admission.check(seq(10), long_queue, running=[])
-    assert error.value.retry_after_seconds == 3
-    assert "Retry in 3 s" in str(error.value)
+    # Its own first token is predicted 3.07 s away (the queue, then its step): Retry-After never says less.
+    assert "predicted time to first token is 3070 ms" in str(error.value)
+    assert error.value.retry_after_seconds == 4
+    assert "Retry in 4 s" in str(error.value)
+    with pytest.raises(AdmissionRejectedError) as queue_full:
+        controller(max_queued_requests=12).check(seq(10), long_queue, running=[])
+    assert queue_full.value.reason == "queue_requests" and queue_full.value.retry_after_seconds == 3
 
 
-def test_a_long_prompt_is_refused_for_the_queue_ahead_not_for_its_own_length() -> None:
+def test_a_prompt_predicted_to_miss_the_target_is_refused_even_when_long() -> None:
     admission = controller(ttft_slo_ms=1000.0)
+    with pytest.raises(AdmissionRejectedError) as error:
+        admission.check(seq(600), [], running=[])  # 1.5 s alone
+    assert error.value.reason == "ttft_slo" and error.value.retry_after_seconds == 2
+    admission.check(seq(300), [], running=[])  # 0.75 s
+
+
+def test_on_request_a_long_prompt_is_refused_for_the_queue_ahead_not_for_its_own_length() -> None:
+    admission = controller(ttft_slo_ms=1000.0, admit_long_prompts=True)
     # 600 tokens take 1.5 s alone, over the target: admitted while the wait ahead stays under 0.5 s...
     admission.check(seq(600), [], running=[])
     admission.check(seq(600), [seq(100)], running=[])  # 0.25 s ahead
@@ -125,8 +138,20 @@ def test_no_limits_admit_everything_and_unfitted_model_predicts_nothing() -> Non
     assert admission.predicted_prefill_seconds(10_000, shape(decoding(10))) == 0.0
 
 
+def test_servers_bound_the_queue_by_the_kv_pool_unless_told_otherwise() -> None:
+    admission = controller()
+    admission.bound_queue_by_kv_pool(kv_pool_tokens=1000)
+    assert (admission.config.max_queued_tokens, admission.config.max_queued_requests) == (2000, 4 * 64)
+    with pytest.raises(AdmissionRejectedError) as error:
+        admission.check(seq(650), [seq(700), seq(700)], running=[])
+    assert error.value.reason == "queue_tokens"
+    unbounded = controller(max_queued_tokens=0, max_queued_requests=0)
+    unbounded.bound_queue_by_kv_pool(kv_pool_tokens=1000)
+    unbounded.check(seq(600), [seq(700)] * 400, running=[])
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValueError):
-        AdmissionConfig(max_queued_requests=0)
+        AdmissionConfig(max_queued_requests=-1)
     with pytest.raises(ValueError):
         AdmissionConfig(batch_share=0.0)

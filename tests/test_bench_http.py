@@ -14,7 +14,6 @@ import signal
 import socket
 import struct
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ class OpenAITestServer:
         self.token_delay = token_delay
         self.in_flight = 0
         self.max_in_flight = 0
+        self.completed = 0  # requests whose handling ended (streamed in full or not)
         self.waiting = 0
         self.preemptions = 0
         self.bodies: list[dict[str, Any]] = []
@@ -104,6 +104,7 @@ class OpenAITestServer:
                 return await self.stream(request, path.endswith("chat/completions"), writer)
             finally:
                 self.in_flight -= 1
+                self.completed += 1
         return await self.reply(writer, 404, b'{"error":{"message":"no such route"}}')
 
     async def stream(self, request: dict[str, Any], chat: bool, writer: asyncio.StreamWriter) -> bool:
@@ -245,9 +246,8 @@ def test_timeouts_are_counted(server: OpenAITestServer, tmp_path: Path) -> None:
     workload = Workload(WorkloadOptions(dataset=dataset))
     config = RunConfig(server.url, "test-model", num_requests=1, request_timeout=0.3, progress=False,
                        scrape_metrics=False)
-    started = time.perf_counter()
     data = run(config, workload, ArrivalProcess(rate=math.inf))
-    assert time.perf_counter() - started < 1.5
+    # The stream stalls for 2 s before its first token: only the 0.3 s timeout can end it as an error.
     assert data.results[0].error_kind == "timeout"
 
 
@@ -348,14 +348,23 @@ def test_ctrl_c_stops_the_run_and_keeps_what_was_measured(server: OpenAITestServ
     workload = Workload(WorkloadOptions(dataset=dataset))
     config = RunConfig(server.url, "test-model", num_requests=50, progress=True, scrape_metrics=False)
 
-    async def interrupted() -> Any:
-        asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGINT)
-        return await run_load(config, workload, ArrivalProcess(rate=10.0, seed=0))
+    async def interrupt_once_one_finished_and_one_streams() -> None:
+        # Waits for events, not for time: a loaded machine only makes this wait longer.
+        while not (server.completed >= 1 and server.in_flight >= 1):
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
 
-    started = time.perf_counter()
+    async def interrupted() -> Any:
+        trigger = asyncio.create_task(interrupt_once_one_finished_and_one_streams())
+        try:
+            return await run_load(config, workload, ArrivalProcess(rate=10.0, seed=0))
+        finally:
+            trigger.cancel()
+
     data = asyncio.run(interrupted())
-    assert time.perf_counter() - started < 3 and data.interrupted
+    assert data.interrupted
     assert 2 <= len(data.results) < 50
-    assert data.results[0].success  # finished before Ctrl-C
+    assert any(r.success for r in data.results)  # finished before Ctrl-C
+    # A 200-token stream (10 s) was cut by the interrupt, not waited for.
     assert {r.error_kind for r in data.results if not r.success} == {"cancelled"}
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was removed

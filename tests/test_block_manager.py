@@ -9,6 +9,25 @@ def make_seq(tokens: list[int]) -> Sequence:
     return Sequence(tokens, SamplingParams(max_tokens=8))
 
 
+def computed(manager: BlockManager, seq: Sequence, num_tokens: int) -> bool:
+    """Allocate, then do what the engine does once the step that wrote those tokens returned."""
+    if not manager.allocate(seq, num_tokens):
+        return False
+    seq.num_computed_tokens += num_tokens
+    manager.commit(seq)
+    return True
+
+
+def test_blocks_are_published_only_at_commit() -> None:
+    manager = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(list(range(10)))
+    assert manager.allocate(seq, 10)
+    assert manager.find_cached_prefix(make_seq(list(range(12)))) == []  # scheduled, not yet written
+    seq.num_computed_tokens = 10
+    manager.commit(seq)
+    assert manager.find_cached_prefix(make_seq(list(range(12)))) == seq.block_table[:2]
+
+
 def test_allocate_and_free_restore_every_block() -> None:
     manager = BlockManager(num_blocks=8, block_size=4)
     seq = make_seq(list(range(10)))
@@ -47,7 +66,7 @@ def test_growth_allocates_a_block_only_at_block_boundaries() -> None:
 def test_prefix_hit_shares_blocks_and_counts_tokens() -> None:
     manager = BlockManager(num_blocks=16, block_size=4)
     first = make_seq(list(range(10)))  # two full blocks + 2 tokens
-    assert manager.allocate(first, 10)
+    assert computed(manager, first, 10)
     second = make_seq(list(range(8)) + [77, 78, 79])
     cached = manager.find_cached_prefix(second)
     assert cached == first.block_table[:2]
@@ -67,7 +86,7 @@ def test_prefix_hit_shares_blocks_and_counts_tokens() -> None:
 def test_full_prefix_hit_leaves_a_token_to_compute() -> None:
     manager = BlockManager(num_blocks=8, block_size=4)
     first = make_seq(list(range(8)))
-    assert manager.allocate(first, 8)
+    assert computed(manager, first, 8)
     twin = make_seq(list(range(8)))
     cached = manager.find_cached_prefix(twin)
     assert len(cached) == 1  # the last block is recomputed so that sampling has logits
@@ -76,19 +95,19 @@ def test_full_prefix_hit_leaves_a_token_to_compute() -> None:
 def test_freed_cached_blocks_are_reused_until_evicted_least_recently_used_first() -> None:
     manager = BlockManager(num_blocks=4, block_size=2)
     old = make_seq([1, 2, 3, 4, 5])  # blocks: [1,2] [3,4] [5]
-    assert manager.allocate(old, 5)
+    assert computed(manager, old, 5)
     old_table = list(old.block_table)
     manager.free(old)
     assert manager.num_free_blocks == 4
     # The partial block (no cached content) is reused first; cached blocks survive.
     other = make_seq([9])
-    assert manager.allocate(other, 1)
+    assert computed(manager, other, 1)
     assert other.block_table == [old_table[2]]
     again = make_seq([1, 2, 3, 4, 6])
     assert len(manager.find_cached_prefix(again)) == 2
     # Now demand every block: the cached ones get evicted and the cache forgets them.
     big = make_seq(list(range(100, 106)))
-    assert manager.allocate(big, 6)
+    assert computed(manager, big, 6)
     assert manager.find_cached_prefix(again) == []
     assert manager.hash_to_block == {
         manager.blocks[b].block_hash: b for b in big.block_table if manager.blocks[b].block_hash is not None
@@ -98,7 +117,7 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_used_first(
 def test_prefix_caching_disabled_finds_nothing() -> None:
     manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     first = make_seq(list(range(8)))
-    assert manager.allocate(first, 8)
+    assert computed(manager, first, 8)
     assert manager.find_cached_prefix(make_seq(list(range(9)))) == []
     assert manager.hash_to_block == {}
 
@@ -106,7 +125,7 @@ def test_prefix_caching_disabled_finds_nothing() -> None:
 def test_hash_chains_over_parent_so_equal_blocks_at_different_depths_differ() -> None:
     manager = BlockManager(num_blocks=8, block_size=2)
     first = make_seq([1, 2, 3, 4, 0])
-    assert manager.allocate(first, 5)
+    assert computed(manager, first, 5)
     # [3, 4] is cached, but only after [1, 2]; a prompt starting with [3, 4] must miss.
     assert manager.find_cached_prefix(make_seq([3, 4, 5])) == []
     assert len(manager.find_cached_prefix(make_seq([1, 2, 3, 4, 9]))) == 2

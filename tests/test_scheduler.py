@@ -56,7 +56,7 @@ def run_all(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000) -
         assert output.num_batched_tokens <= scheduler.config.max_num_batched_tokens
         assert len(output.scheduled) <= scheduler.config.max_num_seqs
         assert len({s.seq_id for s in output.scheduled}) == len(output.scheduled)
-        scheduler.update(output, runner.execute(output))
+        scheduler.commit(output, runner.execute(output))
         steps.append(output)
         assert len(steps) < max_steps
     return steps
@@ -83,7 +83,7 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes() -> None:
     short = Sequence([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
     scheduler.add(short)
     first = scheduler.schedule()
-    scheduler.update(first, runner.execute(first))
+    scheduler.commit(first, runner.execute(first))
     long = Sequence(list(range(100, 150)), SamplingParams(max_tokens=2, ignore_eos=True))
     scheduler.add(long)
     chunks = []
@@ -92,7 +92,7 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes() -> None:
         ids = {s.seq_id: s for s in output.scheduled}
         assert ids[short.seq_id].num_new_tokens == 1  # the decode runs every step
         chunks.append(ids[long.seq_id].num_new_tokens)
-        scheduler.update(output, runner.execute(output))
+        scheduler.commit(output, runner.execute(output))
     assert chunks == [15, 15, 15, 5]
     assert long.num_output_tokens == 1
 
@@ -133,7 +133,7 @@ def test_victim_is_the_latest_arrival_among_running() -> None:
     for seq in seqs:
         scheduler.add(seq)
     output = scheduler.schedule()  # 3 × 2 blocks = all 6 blocks
-    scheduler.update(output, runner.execute(output))
+    scheduler.commit(output, runner.execute(output))
     output = scheduler.schedule()  # position 8 needs a third block for seq 0 → evict the latest
     assert output.preempted_seq_ids[0] == seqs[2].seq_id
     assert scheduler.waiting[0] is seqs[2]
@@ -151,7 +151,7 @@ def test_prefix_hits_skip_cached_tokens_and_outputs_match() -> None:
         scheduler.add(seq)
     output = scheduler.schedule()
     assert [s.start_position for s in output.scheduled] == [16, 16, 16, 16]
-    scheduler.update(output, runner.execute(output))
+    scheduler.commit(output, runner.execute(output))
     run_all(scheduler, runner)
     assert all(seq.num_cached_tokens == 16 for seq in rest)
     assert [s.output_token_ids for s in [first, *rest]] == expected
@@ -168,7 +168,7 @@ def test_abort_frees_blocks_immediately_and_ignores_late_tokens() -> None:
     scheduler.abort(seq.seq_id)
     assert seq.status is SequenceStatus.FINISHED_ABORTED
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
-    scheduler.update(output, runner.execute(output))  # the step that was in flight
+    scheduler.commit(output, runner.execute(output))  # the step that was in flight
     assert seq.output_token_ids == []
     assert not scheduler.has_unfinished
 
@@ -178,17 +178,17 @@ def test_stop_conditions() -> None:
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[42]))
     scheduler.add(seq)
     output = scheduler.schedule()
-    scheduler.update(output, RunnerOutput([seq.seq_id], [EOS], [None]))
+    scheduler.commit(output, RunnerOutput([seq.seq_id], [EOS], [None]))
     assert seq.status is SequenceStatus.RUNNING  # EOS before min_tokens does not stop
     output = scheduler.schedule()
-    scheduler.update(output, RunnerOutput([seq.seq_id], [42], [None]))
+    scheduler.commit(output, RunnerOutput([seq.seq_id], [42], [None]))
     assert seq.status is SequenceStatus.FINISHED_STOPPED and seq.stop_reason == 42
 
     ignore = Sequence([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     scheduler.add(ignore)
     for _ in range(2):
         output = scheduler.schedule()
-        scheduler.update(output, RunnerOutput([ignore.seq_id], [EOS], [None]))
+        scheduler.commit(output, RunnerOutput([ignore.seq_id], [EOS], [None]))
     assert ignore.status is SequenceStatus.FINISHED_LENGTH and ignore.output_token_ids == [EOS, EOS]
 
 

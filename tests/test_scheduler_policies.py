@@ -46,7 +46,7 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
     """Schedule and pretend to run: every sampling sequence gets token 7."""
     output = scheduler.schedule()
     sampled = [s.seq_id for s in output.scheduled if s.sample]
-    scheduler.update(output, RunnerOutput(sampled, [7] * len(sampled), [None] * len(sampled)))
+    scheduler.commit(output, RunnerOutput(sampled, [7] * len(sampled), [None] * len(sampled)))
     return output
 
 

@@ -211,6 +211,18 @@ ERROR_CASES = [
     (b'{"prompt": "x", "model": "gpt-nothing"}', 404, "model", "model_not_found"),
     (b'{"prompt": "x", "max_tokens": 9000}', 400, "max_tokens", "context_length_exceeded"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "stream_options", None),
+    # Numbers the engine cannot honour: non-finite floats, integers beyond what it holds.
+    (b'{"prompt": "x", "temperature": Infinity}', 400, "temperature", "invalid_value"),
+    (b'{"prompt": "x", "temperature": "Infinity"}', 400, "temperature", "invalid_value"),
+    (b'{"prompt": "x", "top_p": NaN}', 400, "top_p", "invalid_value"),
+    (b'{"prompt": "x", "repetition_penalty": 1e308}', 400, "repetition_penalty", None),
+    (b'{"prompt": "x", "priority": 1180591620717411303424}', 400, "priority", "invalid_value"),
+    (b'{"prompt": "x", "seed": 1180591620717411303424}', 400, "seed", "invalid_value"),
+    (b'{"prompt": "x", "stop_token_ids": [1180591620717411303424]}', 400, "stop_token_ids", None),
+    (b'{"prompt": "x", "top_k": 1180591620717411303424}', 400, "top_k", "invalid_value"),
+    # Fan-out: prompts x n over --max-sequences-per-request (256) is refused before any tokenization.
+    (json.dumps({"prompt": ["hi"] * 200, "n": 50, "max_tokens": 1}).encode(), 400, "n", None),
+    (json.dumps({"prompt": ["hi"] * 257, "max_tokens": 1}).encode(), 400, "prompt", None),
 ]
 
 
@@ -270,6 +282,11 @@ def test_auth_body_size_and_routes(server: ServerProcess) -> None:
     for response in (missing, wrong):
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/metrics").status_code == 200  # open without a key
+    # Engine internals are not: /debug/steps needs the key like /v1/*.
+    assert httpx.get(server.url + "/debug/steps").status_code == 401
+    # Headers over the limit never reach the app; they still get an OpenAI-shaped error.
+    huge = httpx.get(server.url + "/v1/models", headers={"X-Padding": "a" * 200_000}, timeout=30)
+    assert huge.status_code == 431 and huge.json()["error"]["code"] == "request_header_fields_too_large"
     with http(server) as session:
         declared = session.post("/v1/completions", content=b"x" * (9 * 2**20))
         assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"

@@ -117,8 +117,8 @@ def test_bucket_helpers() -> None:
 
 def output(request_id: str, prompt: int, tokens: int, new: int, finished: bool = False,
            reason: str | None = None, stamps: dict[str, float] | None = None) -> RequestOutput:
-    return RequestOutput(request_id=request_id, prompt_token_ids=list(range(prompt)), token_ids=list(range(tokens)),
-                         text="", new_token_ids=list(range(new)), new_text="", finished=finished,
+    return RequestOutput(request_id=request_id, num_prompt_tokens=prompt, num_output_tokens=tokens,
+                         new_token_ids=list(range(new)), new_text="", finished=finished,
                          finish_reason=reason, metrics=stamps or {})
 
 

@@ -67,7 +67,7 @@ def test_engine_timeline_is_consistent(llm: LLM, caplog: pytest.LogCaptureFixtur
     timeline = output.timeline
     assert timeline is not None
     chunks = timeline["prefill_chunks"]
-    num_prompt = len(output.prompt_token_ids)
+    num_prompt = output.num_prompt_tokens
     assert timeline["prompt_tokens"] == num_prompt and num_prompt > 32
     assert len(chunks) >= 2 and all(chunk["tokens"] <= 32 for chunk in chunks)
     assert sum(chunk["tokens"] for chunk in chunks) == num_prompt - timeline["cached_prompt_tokens"]

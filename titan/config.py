@@ -1,9 +1,16 @@
-"""Typed configuration, validated at construction. The CLI maps onto these one-to-one."""
+"""Typed configuration, validated at construction, written once: each tunable field carries its help
+text (and, where it differs from the field name, its flag name) as metadata, and `titan.config_flags`
+derives the command-line flags and `LLM(...)` keyword arguments from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def option(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field that is also a flag `--{flag or field name}` and an `LLM(...)` keyword."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -99,9 +106,10 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
 
-    block_size: int = 16
-    kv_cache_memory_gib: float | None = None  # None: automatic (see engine.kv_cache_blocks)
-    enable_prefix_caching: bool = True
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory_gib: float | None = option(
+        None, "KV cache size in GiB (default: 1 GiB on CPU, 80%% of free memory on CUDA)", flag="kv_cache_memory")
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -111,6 +119,9 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+# The slo policy's step target when none is given: about three decode steps of the default model on two
+# cores, so a prefill chunk fits beside the decodes without doubling their token gaps.
+DEFAULT_SLO_ITL_MS = 150.0
 
 
 @dataclass(frozen=True)
@@ -120,16 +131,21 @@ class SchedulerConfig:
     fcfs: arrival order (vLLM's default). priority: lower `priority` runs first; a waiting request may
     preempt lower-priority running ones, also when `max_num_seqs` is the limit; waiting requests gain
     one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
-    so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes), and
-    within a priority level the prefill with the fewest tokens left goes first.
+    so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
+    DEFAULT_SLO_ITL_MS unless given), and within a priority level the prefill with the fewest tokens left
+    goes first.
     """
 
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    policy: str = "fcfs"
-    aging_seconds: float = 10.0
-    itl_slo_ms: float | None = None
-    min_prefill_chunk: int = 16  # even under the SLO cap, a prefill progresses this much per step
+    max_num_batched_tokens: int = option(512, "token budget per step")
+    max_num_seqs: int = option(64, "sequences per step")
+    policy: str = option("fcfs", "fcfs: arrival order; priority: lower `priority` first, with preemption; slo: "
+                         "priority plus prefill chunks capped to keep steps within --itl-slo-ms",
+                         flag="scheduling_policy", choices=SCHEDULING_POLICIES)
+    aging_seconds: float = option(10.0, "a waiting request gains one priority level per this many seconds (0: off)")
+    itl_slo_ms: float | None = option(
+        None, f"target step duration for --scheduling-policy slo (default {DEFAULT_SLO_ITL_MS:g})")
+    min_prefill_chunk: int = option(16, "even under the slo cap, the first prefill of a step computes this many "
+                                        "tokens")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -143,27 +159,34 @@ class SchedulerConfig:
         if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
             raise ValueError("itl_slo_ms must be positive")
         if self.policy == "slo" and self.itl_slo_ms is None:
-            raise ValueError("the slo policy needs itl_slo_ms")
+            object.__setattr__(self, "itl_slo_ms", DEFAULT_SLO_ITL_MS)
         if self.min_prefill_chunk <= 0:
             raise ValueError("min_prefill_chunk must be positive")
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Admission control (see titan.engine.admission); None disables a limit."""
+    """Admission control (see titan.engine.admission). Queue limits left at None are derived from the KV
+    pool (see `AdmissionController`); 0 disables one."""
 
-    max_queued_requests: int | None = None
-    max_queued_tokens: int | None = None
-    ttft_slo_ms: float | None = None  # predicted TTFT above this is refused (interactive class)
-    batch_share: float = 0.5  # fraction of each limit the batch class may use
-    # Opt-in degradation: while requests are waiting, a batch-class request's max_tokens is clamped to this.
-    degrade_batch_max_tokens: int | None = None
+    max_queued_requests: int | None = option(
+        None, "bound on waiting sequences (default: derived from the KV pool; 0: unbounded)")
+    max_queued_tokens: int | None = option(
+        None, "bound on waiting prompt tokens (default: derived from the KV pool; 0: unbounded)")
+    ttft_slo_ms: float | None = option(None, "refuse requests whose predicted time to first token exceeds this")
+    batch_share: float = option(0.5, "share of each admission limit the batch class (priority > 0) may use")
+    degrade_batch_max_tokens: int | None = option(
+        None, "opt-in: while requests are waiting, clamp batch-class max_tokens to this (counted, and reported "
+              "in the response as titan_degraded)")
+    admit_long_prompts: bool = option(
+        False, "with --ttft-slo-ms, judge a prompt whose own prefill exceeds half the target only by the wait "
+               "ahead of it (it may then miss the target)")
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1")
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be non-negative (0: unbounded)")
         if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
             raise ValueError("ttft_slo_ms must be positive")
         if not 0.0 < self.batch_share <= 1.0:
@@ -176,16 +199,17 @@ class AdmissionConfig:
 class EngineConfig:
     """Everything an engine needs; `model` is 'default', a GGUF file or an HF folder."""
 
-    model: str = "default"
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    max_model_len: int | None = None  # None: from the model config
-    seed: int = 0
+    model: str = option("default", "'default' (SmolLM2-135M-Instruct Q4_1), a .gguf file or an HF folder")
+    device: str = option("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
+    dtype: str = option("auto", "auto: float32 on CPU, bfloat16 (or float16) on CUDA",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    max_model_len: int | None = option(None, "context length (default: the model's)")
+    seed: int = option(0, "seed for requests without their own")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    # Requests whose first token or longest token gap exceeds this are logged with their timeline; 0: none.
-    slow_request_ms: float = 5000.0
+    slow_request_ms: float = option(
+        5000.0, "log the timeline of requests whose first token or longest token gap took longer (0: off)")
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 PREFIXES = ("titan", "vllm")
 
@@ -38,43 +39,23 @@ HISTOGRAM_MAX = {
     "iteration_tokens_max": "iteration_tokens_total",
 }
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-
-
-@dataclass(frozen=True)
-class PrometheusSample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-def parse_prometheus_text(text: str) -> list[PrometheusSample]:
-    """Prometheus text exposition format; lines that do not parse are skipped, not fatal."""
-    samples: list[PrometheusSample] = []
+def parse_prometheus_text(text: str) -> list[Sample]:
+    """Prometheus text exposition format, through prometheus_client's parser. A server whose text does not
+    parse as a whole (some exporters bend the format) is read line by line, and the lines that still do
+    not parse are skipped, not fatal."""
+    try:
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    except ValueError:
+        pass
+    samples: list[Sample] = []
     for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, label_text, value_text = match.groups()
-        labels: dict[str, str] = {}
-        if label_text:
-            body = label_text[1:-1]
-            position = 0
-            while position < len(body):
-                label = _LABEL.match(body, position)
-                if label is None:
-                    break
-                labels[label.group(1)] = label.group(2).replace('\\"', '"').replace("\\\\", "\\")
-                position = label.end()
         try:
-            value = float(value_text)
+            samples.extend(sample for family in text_string_to_metric_families(line + "\n")
+                           for sample in family.samples)
         except ValueError:
             continue
-        samples.append(PrometheusSample(name, labels, value))
     return samples
 
 
@@ -86,7 +67,7 @@ class MetricsSample:
     values: dict[str, float] = field(default_factory=dict)
 
 
-def detect_prefix(samples: list[PrometheusSample]) -> str | None:
+def detect_prefix(samples: list[Sample]) -> str | None:
     names = {sample.name for sample in samples}
     for prefix in PREFIXES:
         if any(f"{prefix}:{metric}" in names for options in GAUGES.values() for metric in options):
@@ -94,12 +75,12 @@ def detect_prefix(samples: list[PrometheusSample]) -> str | None:
     return None
 
 
-def _sum(samples: list[PrometheusSample], name: str) -> float | None:
+def _sum(samples: list[Sample], name: str) -> float | None:
     values = [sample.value for sample in samples if sample.name == name]
     return sum(values) if values else None
 
 
-def _buckets(samples: list[PrometheusSample], name: str) -> dict[float, float]:
+def _buckets(samples: list[Sample], name: str) -> dict[float, float]:
     buckets: dict[float, float] = {}
     for sample in samples:
         if sample.name == f"{name}_bucket" and "le" in sample.labels:
@@ -126,7 +107,7 @@ class MetricsReducer:
         self.prefix: str | None = None
         self._previous_buckets: dict[str, dict[float, float]] = {}
 
-    def reduce(self, samples: list[PrometheusSample]) -> dict[str, float]:
+    def reduce(self, samples: list[Sample]) -> dict[str, float]:
         if self.prefix is None:
             self.prefix = detect_prefix(samples)
         values: dict[str, float] = {}

@@ -80,14 +80,14 @@ class BlockManager:
             found.pop()
         return found
 
-    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Publish the sequence's blocks that will be full once `num_tokens` tokens are computed.
-
-        Safe before the step runs: within a step every layer writes the new K/V before any attention
-        reads the cache, so a later reader always sees complete blocks.
-        """
+    def commit(self, seq: Sequence) -> None:
+        """Publish the sequence's full blocks whose K/V are written: call after the step that computed
+        them returned. Registering earlier (when the step is only scheduled) would let a later request
+        "hit" blocks that a preemption, an abort or a failed step left unwritten."""
+        if not self.enable_prefix_caching:
+            return
         start = self.num_registered_blocks.get(seq.seq_id, 0)
-        end = num_tokens // self.block_size
+        end = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if end <= start:
             return
         hashes = self._block_hashes(seq, end)
@@ -139,8 +139,6 @@ class BlockManager:
         total_tokens = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < cdiv(total_tokens, self.block_size):
             seq.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching:
-            self._register_full_blocks(seq, total_tokens)
         return True
 
     def free(self, seq: Sequence) -> None:

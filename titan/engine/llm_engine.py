@@ -13,44 +13,29 @@ import torch
 from titan.config import EngineConfig
 from titan.engine.admission import AdmissionController
 from titan.engine.block_manager import BlockManager
-from titan.engine.cost_model import StepCostModel, shape_of
+from titan.engine.cost_model import StepCostModel
 from titan.engine.gc_discipline import GcMonitor
 from titan.engine.model_runner import ModelRunner
 from titan.engine.outputs import OutputProcessor, RequestOutput
 from titan.engine.sampler import Sampler
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
-from titan.engine.scheduler_output import SchedulerOutput
 from titan.engine.sequence import Sequence, SequenceStatus
+from titan.engine.step_observer import StepObserver, StepRecord
 from titan.loader import load_model_files
 from titan.tokenizer import Tokenizer
 
 logger = logging.getLogger("titan.engine")
 
-STEP_HISTORY = 2048  # engine steps kept for attribution (/debug/steps)
-
-
 @dataclass(frozen=True)
-class StepRecord:
-    """One engine step, for transient attribution."""
+class EngineInfo:
+    """What the HTTP side may know of an engine: fixed once it is loaded, safe to read from any thread."""
 
-    started: float  # time.monotonic()
-    duration: float
-    num_tokens: int
-    num_sequences: int
-    num_prefill_tokens: int  # tokens of sequences computing more than one token
-    num_decodes: int
-    num_preemptions: int
-    predicted_duration: float | None  # the cost model's prediction, once it is fitted
-    gc_pause: float  # seconds the garbage collector paused during the step
-
-    @classmethod
-    def of(cls, output: SchedulerOutput, started: float, duration: float, predicted: float | None,
-           gc_pause: float) -> StepRecord:
-        prefill_tokens = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
-        return cls(started, duration, output.num_batched_tokens, len(output.scheduled), prefill_tokens,
-                   sum(1 for s in output.scheduled if s.num_new_tokens == 1), len(output.preempted_seq_ids),
-                   predicted, gc_pause)
+    model_name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
 
 
 @dataclass(frozen=True)
@@ -122,17 +107,22 @@ class LLMEngine:
         self.cost_model = StepCostModel()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model)
         self.admission = AdmissionController(config.admission, self.cost_model, config.scheduler)
-        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.gc_monitor = GcMonitor.install()
+        self.observer = StepObserver(self.cost_model, self.gc_monitor)
         sampler = Sampler(eos, seed=config.seed)
         self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
                                   self.dtype, sampler)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.load_seconds = time.perf_counter() - started
         logger.info("loaded %s on %s/%s in %.2f s: %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, self.dtype, self.load_seconds, self.num_blocks, block_size,
                     self.max_model_len)
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.model_name, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                          self.config.scheduler.max_num_batched_tokens)
 
     def warmup(self) -> None:
         """Drive the largest shapes once, then settle the garbage collector (see gc_discipline)."""
@@ -163,33 +153,26 @@ class LLMEngine:
         return seq
 
     def step(self) -> list[RequestOutput]:
+        """One step, one way: the scheduler decides, the runner computes, commit publishes, emit reports."""
         started = time.monotonic()
-        gc_before = self.gc_monitor.total_pause_seconds
-        scheduler_output = self.scheduler.schedule()
-        shape = shape_of(scheduler_output.scheduled)
-        predicted = self.cost_model.predict(shape) if self.cost_model.ready else None
-        runner_output = self.runner.execute(scheduler_output)
+        decision = self.scheduler.schedule()
+        self.observer.step_started(decision, started)
+        scheduled_seqs = [self.scheduler.sequences.get(s.seq_id) for s in decision.scheduled]
+        result = self.runner.execute(decision)
         duration = time.monotonic() - started
-        if not scheduler_output.is_empty:
-            self.cost_model.observe(shape, duration)
-            gc_pause = self.gc_monitor.total_pause_seconds - gc_before
-            self.steps.append(StepRecord.of(scheduler_output, started, duration, predicted, gc_pause))
-            self._record_prefill_chunks(scheduler_output, started, duration)
-        advanced = self.scheduler.update(scheduler_output, runner_output)
-        now = time.monotonic()
-        for seq in advanced:
-            seq.timeline.record_token(now, seq.num_preemptions, reversed(self.steps))
-        outputs = self.output_processor.process(advanced, runner_output)
+        advanced = self.scheduler.commit(decision, result)
+        detokenized = self.output_processor.detokenize(advanced, result)
+        self.scheduler.stop(detokenized.stopped)
+        self.observer.observe(decision, scheduled_seqs, advanced, duration)
+        outputs = self.output_processor.emit(detokenized)
         for output in outputs:
             if output.finished:
                 self._finished(self.requests.pop(output.request_id, None), output)
         return outputs
 
-    def _record_prefill_chunks(self, output: SchedulerOutput, started: float, duration: float) -> None:
-        for scheduled in output.scheduled:
-            seq = self.scheduler.sequences.get(scheduled.seq_id)
-            if seq is not None and (scheduled.start_position < seq.num_prompt_tokens or scheduled.num_new_tokens > 1):
-                seq.timeline.record_chunk(started, scheduled.num_new_tokens, duration, seq.num_preemptions > 0)
+    @property
+    def steps(self) -> deque[StepRecord]:
+        return self.observer.steps
 
     def _finished(self, seq: Sequence | None, output: RequestOutput) -> None:
         """Log a request whose first token or longest stall took longer than `slow_request_ms`."""
@@ -208,6 +191,12 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return self.output_processor.aborted(seq)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """The step-failure path: end every request and free its blocks. Nothing of the failed step was
+        committed, so the prefix cache holds no block it may have left half written."""
+        outputs = [self.abort(request_id) for request_id in list(self.requests)]
+        return [output for output in outputs if output is not None]
 
     def stats(self) -> EngineStats:
         manager = self.block_manager

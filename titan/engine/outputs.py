@@ -1,13 +1,18 @@
-"""What the engine hands back per request and step; the output processor turns tokens into text."""
+"""What the engine hands back per request and step: deltas while it runs, plus a summary when it ends.
+
+The output stage detokenizes the tokens a step committed and finds stop strings; it returns those
+stop decisions to the engine (which finishes the sequences through the scheduler) and never changes
+engine state itself. Each output carries only what the step added (tokens, text, logprobs), so a long
+generation costs O(1) per token; the final output also carries the whole result once.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, TokenLogprobs
-from titan.engine.sequence import Sequence, SequenceStatus
+from titan.engine.sequence import Sequence
 from titan.engine.timeline import summarize
 from titan.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -15,31 +20,50 @@ from titan.tokenizer import IncrementalDetokenizer, Tokenizer
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    text: str  # every output character so far (stop strings excluded)
     new_token_ids: list[int]  # tokens produced by this step
-    new_text: str  # text released by this step (a streaming delta)
+    new_text: str  # text released by this step (a streaming delta; stop strings excluded)
     finished: bool
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # output tokens so far, this step's included
+    new_logprobs: list[TokenLogprobs] | None = None  # this step's entries, when logprobs were asked for
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     # time.monotonic() stamps: arrival, first_scheduled, first_token, finished (absent until they happen)
     metrics: dict[str, float] = field(default_factory=dict)
+    # The summary, on the final output only: the prompt, every output token, the whole text, every logprob entry.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
     # Set on the final output: queued, prefill chunks, decode, preemptions, longest stall (timeline.summarize).
     timeline: dict[str, Any] | None = None
     # Degradations applied under pressure, e.g. {"max_tokens": {"requested": 512, "applied": 64}}.
     degradations: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-class OutputProcessor:
-    """Incremental detokenization and stop strings; ends sequences whose text hit a stop string."""
+@dataclass
+class _Delta:
+    seq: Sequence
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None
 
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
+
+@dataclass
+class Detokenized:
+    """One step's text deltas, and the sequences whose text reached a stop string (the engine ends them)."""
+
+    deltas: list[_Delta] = field(default_factory=list)
+    stopped: list[tuple[Sequence, str]] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Incremental detokenization, stop strings and logprob collection per request."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.logprobs: dict[int, list[TokenLogprobs]] = {}
 
@@ -52,53 +76,61 @@ class OutputProcessor:
         if params.logprobs is not None:
             self.logprobs[seq.seq_id] = []
 
-    def process(self, advanced: list[Sequence], runner_output: RunnerOutput) -> list[RequestOutput]:
+    def detokenize(self, advanced: list[Sequence], runner_output: RunnerOutput) -> Detokenized:
+        """The text each advanced sequence's new token completes; stop strings become decisions."""
         logprobs_by_seq = dict(zip(runner_output.seq_ids, runner_output.logprobs, strict=True))
-        outputs = []
+        result = Detokenized()
         for seq in advanced:
             detokenizer = self.detokenizers[seq.seq_id]
             token_id = seq.output_token_ids[-1]
-            new_text = detokenizer.append(token_id)
-            entry = logprobs_by_seq.get(seq.seq_id)
-            if entry is not None and seq.seq_id in self.logprobs:
-                self.logprobs[seq.seq_id].append(entry)
+            text = detokenizer.append(token_id)
+            entries = None
+            if seq.seq_id in self.logprobs:
+                entry = logprobs_by_seq.get(seq.seq_id)
+                entries = [entry] if entry is not None else []
+                self.logprobs[seq.seq_id].extend(entries)
             if detokenizer.stop_string is not None and not seq.is_finished:
-                seq.stop_reason = detokenizer.stop_string
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            outputs.append(self._output(seq, [token_id], new_text))
-        return outputs
+                result.stopped.append((seq, detokenizer.stop_string))
+            result.deltas.append(_Delta(seq, [token_id], text, entries))
+        return result
+
+    def emit(self, detokenized: Detokenized) -> list[RequestOutput]:
+        """Outputs for the step's deltas; call after the engine applied the stop decisions."""
+        return [self._output(d.seq, d.token_ids, d.text, d.logprobs) for d in detokenized.deltas]
 
     def aborted(self, seq: Sequence) -> RequestOutput:
-        return self._output(seq, [], "")
+        return self._output(seq, [], "", [] if seq.seq_id in self.logprobs else None)
 
-    def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
-        detokenizer = self.detokenizers[seq.seq_id]
-        finished = seq.is_finished
-        if finished:
-            if detokenizer.stop_string is None:
-                new_text += detokenizer.flush()
-            self.detokenizers.pop(seq.seq_id)
-        logprobs = self.logprobs.pop(seq.seq_id, None) if finished else self.logprobs.get(seq.seq_id)
-        return RequestOutput(
+    def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str,
+                new_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        output = RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=detokenizer.text,
             new_token_ids=new_token_ids,
             new_text=new_text,
-            finished=finished,
-            finish_reason=seq.status.value if finished else None,
-            stop_reason=seq.stop_reason,
-            logprobs=logprobs,
+            finished=seq.is_finished,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            new_logprobs=new_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
-            metrics=_timeline(seq),
-            timeline=summarize(seq) if finished else None,
+            metrics=_stamps(seq),
             degradations=seq.degradations,
         )
+        if output.finished:
+            detokenizer = self.detokenizers.pop(seq.seq_id)
+            if detokenizer.stop_string is None:
+                output.new_text += detokenizer.flush()
+            output.finish_reason = seq.status.value
+            output.stop_reason = seq.stop_reason
+            output.prompt_token_ids = seq.prompt_token_ids
+            output.token_ids = list(seq.output_token_ids)
+            output.text = detokenizer.text
+            output.logprobs = self.logprobs.pop(seq.seq_id, None)
+            output.timeline = summarize(seq)
+        return output
 
 
-def _timeline(seq: Sequence) -> dict[str, float]:
+def _stamps(seq: Sequence) -> dict[str, float]:
     stamps = {
         "arrival": seq.arrival_time,
         "first_scheduled": seq.first_scheduled_time,

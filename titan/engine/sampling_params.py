@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass
@@ -29,6 +32,9 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         if self.top_k == -1:
             self.top_k = 0
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidParameterError(name, f"{name} must be a finite number, got {getattr(self, name)!r}")
         checks = [
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
@@ -38,11 +44,14 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be -1 (disabled) or positive"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            # Above this, penalized logits overflow float32 (and no real use comes close).
+            (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+             f"must be in (0, {MAX_REPETITION_PENALTY:g}]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits"),
         ]
         for ok, name, message in checks:
             if not ok:

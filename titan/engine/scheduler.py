@@ -284,12 +284,16 @@ class Scheduler:
         self.num_preemptions += 1
         step.output.preempted_seq_ids.append(seq.seq_id)
 
-    def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Sequence]:
-        """Account the computed tokens and append sampled ones; returns the sequences that got a token."""
+    def commit(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Sequence]:
+        """After the runner returned: advance computed tokens, publish the blocks now written to the prefix
+        cache, append sampled tokens and end sequences that hit a stop token or their length. Returns the
+        sequences that got a token. A sequence preempted or aborted since it was scheduled is skipped, so
+        none of its unwritten blocks is ever published."""
         for scheduled in output.scheduled:
             seq = self.sequences.get(scheduled.seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += scheduled.num_new_tokens
+                self.block_manager.commit(seq)
         advanced: list[Sequence] = []
         now = time.monotonic()
         for seq_id, token_id in zip(runner_output.seq_ids, runner_output.token_ids, strict=True):
@@ -304,6 +308,13 @@ class Scheduler:
             if status is not None:
                 self.finish(seq, status)
         return advanced
+
+    def stop(self, stopped: list[tuple[Sequence, str]]) -> None:
+        """End sequences the output stage found a stop string in (the string becomes their stop reason)."""
+        for seq, stop_string in stopped:
+            if not seq.is_finished:
+                seq.stop_reason = stop_string
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         params = seq.sampling_params

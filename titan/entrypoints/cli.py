@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from titan.entrypoints.engine_args import add_engine_arguments, engine_kwargs
+from titan.config_flags import add_engine_arguments, engine_config_from_args
 from titan.server.args import add_server_arguments
 
 
@@ -39,7 +39,7 @@ def generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     started = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_config(args.engine_config)
     ready = time.perf_counter()
     prompts = args.prompt or ["What is the capital of France?"]
     if args.chat:
@@ -92,7 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("generate", "serve"):
+        try:  # the config validates every value: a bad one is a usage error, not a traceback
+            args.engine_config = engine_config_from_args(args)
+        except ValueError as error:
+            parser.error(str(error))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return args.handler(args)
 

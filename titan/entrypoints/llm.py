@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceType
 from typing import Any
 
-from titan.config import AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig
+from titan.config import EngineConfig
+from titan.config_flags import engine_config
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
@@ -13,47 +14,20 @@ from titan.engine.sampling_params import SamplingParams
 Prompt = str | list[int]
 
 
-def build_engine_config(
-    model: str = "default",
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    seed: int = 0,
-    block_size: int = 16,
-    kv_cache_memory: float | None = None,
-    enable_prefix_caching: bool = True,
-    max_num_batched_tokens: int = 512,
-    max_num_seqs: int = 64,
-    scheduling_policy: str = "fcfs",
-    aging_seconds: float = 10.0,
-    itl_slo_ms: float | None = None,
-    max_queued_requests: int | None = None,
-    max_queued_tokens: int | None = None,
-    ttft_slo_ms: float | None = None,
-    batch_share: float = 0.5,
-    degrade_batch_max_tokens: int | None = None,
-    slow_request_ms: float = 5000.0,
-) -> EngineConfig:
-    """Flat keyword arguments (the CLI flags, one-to-one) → the typed nested config."""
-    return EngineConfig(
-        model=model,
-        device=device,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        seed=seed,
-        cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, scheduling_policy, aging_seconds, itl_slo_ms),
-        admission=AdmissionConfig(max_queued_requests, max_queued_tokens, ttft_slo_ms, batch_share,
-                                  degrade_batch_max_tokens),
-        slow_request_ms=slow_request_ms,
-    )
-
-
 class LLM:
     def __init__(self, model: str = "default", **engine_args: Any) -> None:
-        self.engine = LLMEngine(build_engine_config(model, **engine_args))
-        self.tokenizer = self.engine.tokenizer
+        """`engine_args` are the engine flags' names (titan.config_flags), e.g. `max_num_seqs=8`."""
+        self._attach(LLMEngine(engine_config(model, **engine_args)))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._attach(LLMEngine(config))
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
 
     def generate(
         self,

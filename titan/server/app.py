@@ -24,12 +24,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from titan.engine.llm_engine import StepRecord
+from titan.engine.step_observer import StepRecord
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
 from titan.server.completions import create_completion
 from titan.server.errors import install_error_handlers, validation_error
-from titan.server.limits import DEFAULT_MAX_BODY_BYTES
+from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.server.middleware import APIKeyCheck, BodySizeLimit
 from titan.server.protocol import ChatCompletionRequest, CompletionRequest
 from titan.server.serving import ServerState
@@ -75,9 +75,11 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    metrics_require_key: bool = False,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread (load + warm-up run in it) and stops it."""
-    state = ServerState(engine, served_model_name)
+    state = ServerState(engine, served_model_name, max_sequences_per_request)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -115,8 +117,7 @@ def build_app(
     async def debug_steps(limit: int = 512) -> dict[str, object]:
         """The most recent engine steps (time, duration, tokens, sequences, prefill tokens, preemptions,
         GC pause), oldest first, for attributing latency spikes."""
-        loaded = engine.engine
-        records = tuple(loaded.steps)[-max(limit, 0):] if loaded is not None and limit > 0 else ()
+        records = await engine.recent_steps(limit)
         # Step times are monotonic; shift them onto the wall clock clients compare against.
         offset = time.time() - time.monotonic()
         # ready_time lets a client tell cold-start transients from later ones.
@@ -125,7 +126,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
-        loaded = state.serving_engine() if not state.draining else engine.engine
+        loaded = state.serving_info() if not state.draining else engine.info
         assert loaded is not None
         card = {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "titan",
                 "root": loaded.model_name, "max_model_len": loaded.max_model_len}
@@ -150,5 +151,5 @@ def build_app(
 
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
+        app.add_middleware(APIKeyCheck, api_key=api_key, protect_metrics=metrics_require_key)
     return app

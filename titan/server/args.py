@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from titan.server.limits import DEFAULT_DRAIN_TIMEOUT_SECONDS, DEFAULT_MAX_BODY_BYTES
+from titan.server.limits import (
+    DEFAULT_DRAIN_TIMEOUT_SECONDS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,11 +19,20 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None,
                        help="the model name clients send and see (default: the model file's name)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (also read from TITAN_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on /v1/* and /debug/*; prefer --api-key-file or "
+                            "TITAN_API_KEY: a key on the command line is visible to every user in `ps`")
+    group.add_argument("--api-key-file", default=None,
+                       help="read the API key from this file (first line)")
+    group.add_argument("--metrics-require-key", action="store_true",
+                       help="require the API key on /metrics too (Prometheus then needs it as a bearer token)")
     group.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_SECONDS,
                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="larger request bodies get 413")
+    group.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                       help="larger request headers (all together) get 431")
+    group.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                       help="a request may fan out into at most this many engine sequences (prompts × n); more: 400")
     group.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                        help="drive the largest step shapes once before reporting ready")
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,

@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from titan.engine.admission import AdmissionRejectedError
-from titan.engine.llm_engine import LLMEngine
+from titan.engine.llm_engine import EngineInfo, LLMEngine
 from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
+from titan.engine.step_observer import StepRecord
 from titan.server.metrics import ServerMetrics
 
 logger = logging.getLogger("titan.server")
@@ -58,6 +59,14 @@ class EngineFailed(RuntimeError):
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _StepsSnapshot:
+    """Asks the engine thread for a copy of its recent step records (the ring buffer is its own)."""
+
+    limit: int
+    result: asyncio.Future[tuple[StepRecord, ...]]
 
 
 _STOP = object()
@@ -108,12 +117,13 @@ class AsyncEngine:
         self._factory = engine_factory
         self._warmup = warmup
         self._metrics_factory = metrics_factory or default_metrics
-        self._commands: queue.SimpleQueue[EngineRequest | _Abort | object] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineRequest | _Abort | _StepsSnapshot | object] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Written once by the engine thread before `ready` is set; read-only afterwards.
-        self.engine: LLMEngine | None = None
+        # Written once by the engine thread before `ready` is set; read-only afterwards. The engine itself
+        # stays on its thread: the HTTP side sees only its frozen info.
+        self.info: EngineInfo | None = None
         self.metrics: ServerMetrics | None = None
         self.load_seconds = 0.0
         self.warmup_seconds = 0.0
@@ -175,6 +185,14 @@ class AsyncEngine:
         stream.degradations = {request.request_id: result for request, result in zip(requests, results, strict=True)
                                if result}
         return stream
+
+    async def recent_steps(self, limit: int) -> tuple[StepRecord, ...]:
+        """The engine's most recent step records (oldest first), copied on the engine thread."""
+        if not self.alive or limit <= 0 or self._loop is None:
+            return ()
+        snapshot = _StepsSnapshot(limit, asyncio.get_running_loop().create_future())
+        self._commands.put(snapshot)
+        return await snapshot.result
 
     def abort(self, request_id: str) -> None:
         tracked = self._tracked.get(request_id)
@@ -246,13 +264,14 @@ class AsyncEngine:
         try:
             started = time.perf_counter()
             engine = self._factory()
+            engine.admission.bound_queue_by_kv_pool(engine.num_blocks * engine.config.cache.block_size)
             self.load_seconds = time.perf_counter() - started
             self.metrics = self._metrics_factory(engine)
             if self._warmup:
                 started = time.perf_counter()
                 engine.warmup()
                 self.warmup_seconds = time.perf_counter() - started
-            self.engine = engine
+            self.info = engine.info
         except BaseException as error:
             logger.exception("the engine failed to start")
             self._post(self._exited, error)
@@ -272,8 +291,7 @@ class AsyncEngine:
             if idle and self._commands.empty():
                 engine.gc_monitor.collect_if_idle_and_due()
             if not self._take_commands(engine, block=idle):
-                for request_id in list(engine.requests):
-                    engine.abort(request_id)
+                engine.abort_all()
                 return
             if engine.has_unfinished_requests():
                 self._step(engine, metrics)
@@ -294,6 +312,8 @@ class AsyncEngine:
         for command in commands:
             if command is _STOP:
                 keep_running = False
+            elif isinstance(command, _StepsSnapshot):
+                self._post(_resolve, command.result, tuple(engine.steps)[-command.limit:])
             elif isinstance(command, _Abort):
                 output = engine.abort(command.request_id)
                 if output is not None:
@@ -325,8 +345,7 @@ class AsyncEngine:
             # Fail the requests of this step rather than the server: free them and report a 500.
             failed = list(engine.requests)
             logger.exception("engine step failed; aborting %d requests", len(failed))
-            for request_id in failed:
-                engine.abort(request_id)
+            engine.abort_all()
             self._post(self._fail, failed, EngineFailed(f"engine step failed: {error!r}"))
             return
         finished = time.monotonic()
@@ -334,6 +353,11 @@ class AsyncEngine:
         metrics.record_step(finished - started, record.num_tokens if record is not last_record else 0)
         if outputs:
             self._post(self._deliver, outputs, finished)
+
+
+def _resolve(future: asyncio.Future[tuple[StepRecord, ...]], value: tuple[StepRecord, ...]) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def default_metrics(engine: LLMEngine) -> ServerMetrics:

@@ -78,6 +78,11 @@ def _is_union_tag(part: Any) -> bool:
     return "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "none")
 
 
+# Pydantic error types that mean the type was right but the value is not allowed.
+_VALUE_ERRORS = ("finite_number", "greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                 "too_short", "too_long", "literal_error")
+
+
 def validation_error(errors: Sequence[Any]) -> APIError:
     """Pydantic's error list → one 400 naming the first offending field."""
     if any(error.get("type") == "json_invalid" for error in errors):
@@ -93,7 +98,13 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     messages = messages[:5]
     first = errors[0] if errors else {}
     param = _location(tuple(first.get("loc", ())))
-    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_type"
+    kind = first.get("type", "")
+    if kind == "missing":
+        code = "missing_required_parameter"
+    elif kind in _VALUE_ERRORS:
+        code = "invalid_value"
+    else:
+        code = "invalid_type"
     return bad_request("Invalid request: " + "; ".join(messages), param=param, code=code)
 
 

@@ -4,3 +4,7 @@
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 # Kubernetes waits 30 s by default between SIGTERM and SIGKILL; finish inside that.
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 25.0
+# One request of 200 prompts × n=50 once made 10,000 sequences and stalled everyone behind it.
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
+# Request headers above this (all together) get 431; uvicorn's own default is 16 KiB.
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024

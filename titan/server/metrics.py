@@ -136,7 +136,7 @@ class ServerMetrics:
         if num_new:
             self.generation_tokens.inc(num_new)
             if previous_token_time is None:
-                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.prompt_tokens.inc(output.num_prompt_tokens)
                 arrival, first_token = output.metrics.get("arrival"), output.metrics.get("first_token")
                 if arrival is not None and first_token is not None:
                     self.ttft.observe(first_token - arrival)
@@ -161,8 +161,8 @@ class ServerMetrics:
             self.prefill_time.observe(first_token - scheduled)
         if first_token is not None and finished is not None:
             self.decode_time.observe(finished - first_token)
-        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.observe(len(output.token_ids))
+        self.request_prompt_tokens.observe(output.num_prompt_tokens)
+        self.request_generation_tokens.observe(output.num_output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -65,14 +65,16 @@ class BodySizeLimit:
 
 
 class APIKeyCheck:
-    """401 for /v1/* without `Authorization: Bearer <key>`; health, readiness and metrics stay open."""
+    """401 without `Authorization: Bearer <key>` on /v1/* and /debug/* (engine internals); /metrics too when
+    `protect_metrics`. Health, readiness and version stay open for probes."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.prefixes = ("/v1", "/debug", "/metrics") if protect_metrics else ("/v1", "/debug")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes) and scope["method"] != "OPTIONS":
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 message = "Missing API key." if not given else "Incorrect API key provided."

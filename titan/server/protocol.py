@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from titan.engine.sampling_params import InvalidParameterError, SamplingParams
 from titan.server.errors import APIError, bad_request
 
 # Without a limit one request could fan out into thousands of engine sequences.
 MAX_N = 128
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StreamOptions(BaseModel):
@@ -23,26 +25,30 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Numbers are bounded here (finite floats,
+    integers within what the engine can hold), so a wild value is a 400 naming its field."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     model: str | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int | None = None  # None: from the X-Titan-Priority class header, else 0
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    # None: from the X-Titan-Priority class header, else 0
+    priority: int | None = Field(default=None, ge=-INT32_MAX - 1, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     # Titan extension: return each choice's timeline (queued, prefill chunks, decode, stalls) when it finishes.
@@ -58,8 +64,11 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int = 0,
+                        vocab_size: int | None = None) -> SamplingParams:
         """The engine's parameters for choice `index` (seeded choices get seed + index, as vLLM)."""
+        if vocab_size is not None:
+            check_token_ids(self.stop_token_ids or [], vocab_size, param="stop_token_ids")
         options: dict[str, Any] = {
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
@@ -114,6 +123,8 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None

@@ -22,15 +22,15 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
 from titan.engine.llm_engine import LLMEngine
-from titan.entrypoints.engine_args import engine_kwargs
-from titan.entrypoints.llm import build_engine_config
 from titan.loader import ModelNotFoundError, resolve_model_path
 from titan.server.app import build_app
 from titan.server.async_engine import AsyncEngine
+from titan.server.http_protocol import JSONErrorH11Protocol
 from titan.server.serving import ServerState
 
 logger = logging.getLogger("titan.server")
@@ -138,6 +138,15 @@ async def serve_app(server: _Server, lifecycle: Lifecycle) -> int:
     return lifecycle.exit_code
 
 
+def read_api_key(flag: str | None, path: str | None) -> str | None:
+    """The key from --api-key, else the first line of --api-key-file, else $TITAN_API_KEY; None: no key."""
+    if flag:
+        return flag
+    if path:
+        return Path(path).read_text().splitlines()[0].strip() or None
+    return os.environ.get("TITAN_API_KEY") or None
+
+
 def run_server(args: argparse.Namespace) -> int:
     started = process_start_time()
     try:
@@ -145,13 +154,20 @@ def run_server(args: argparse.Namespace) -> int:
     except ModelNotFoundError as error:
         say(str(error))
         return 2
-    config = build_engine_config(args.model, **engine_kwargs(args))
+    config = args.engine_config
+    try:
+        api_key = read_api_key(args.api_key, args.api_key_file)
+    except OSError as error:
+        say(f"cannot read --api-key-file: {error}")
+        return 2
     engine = AsyncEngine(lambda: LLMEngine(config), warmup=args.warmup)
-    api_key = args.api_key or os.environ.get("TITAN_API_KEY") or None
-    app = build_app(engine, args.served_model_name, api_key, args.max_request_body_bytes)
+    app = build_app(engine, args.served_model_name, api_key, args.max_request_body_bytes,
+                    args.max_sequences_per_request, args.metrics_require_key)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_CLOSE_SECONDS, lifespan="on",
+        # h11 with OpenAI-shaped protocol errors; the header limit is h11's incomplete-event limit.
+        http=JSONErrorH11Protocol, h11_max_incomplete_event_size=args.max_header_bytes,
     )
     server = _Server(uvicorn_config)
     lifecycle = Lifecycle(server, app.state.server, args.drain_timeout, started)

@@ -17,11 +17,12 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from titan.engine.admission import AdmissionRejectedError
-from titan.engine.llm_engine import LLMEngine
+from titan.engine.llm_engine import EngineInfo
 from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
 from titan.server.async_engine import AsyncEngine, EngineFailed, EngineRequest, OutputStream, RequestRejected
 from titan.server.errors import APIError, bad_request, error_body
+from titan.server.limits import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -41,6 +42,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class ServerState:
     engine: AsyncEngine
     served_model_name: str | None  # None: the engine's own model name
+    # One request may not fan out into more engine sequences (prompts × n) than this.
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     draining: bool = False
     handling: int = 0  # generation handlers that have not yet handed their requests to the engine
     started: float = field(default_factory=time.time)
@@ -51,22 +54,22 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        engine = self.engine.engine
-        return self.served_model_name or (engine.model_name if engine is not None else "unknown")
+        info = self.engine.info
+        return self.served_model_name or (info.model_name if info is not None else "unknown")
 
-    def serving_engine(self) -> LLMEngine:
-        """The engine if requests can be taken now; otherwise a 503 saying why."""
+    def serving_info(self) -> EngineInfo:
+        """The engine's info if requests can be taken now; otherwise a 503 saying why."""
         if self.draining:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "The server is shutting down.",
                            code="shutting_down", headers={"Retry-After": "1"})
-        engine = self.engine.engine
-        if engine is None or not self.engine.ready.is_set():
+        info = self.engine.info
+        if info is None or not self.engine.ready.is_set():
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "The model is still loading.", code="not_ready",
                            headers={"Retry-After": "5"})
         if not self.engine.alive:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine has stopped: {self.engine.error}",
                            code="engine_dead")
-        return engine
+        return info
 
 
 def new_id(prefix: str) -> str:
@@ -87,26 +90,6 @@ class Choice:
     prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
-
-
-@dataclass
-class ResponseFormatter:
-    """What every response chunk of one request repeats; `texts` is set when logprobs were asked for."""
-
-    request_id: str
-    created: int
-    model: str
-    texts: TokenTexts | None
-    timeline: bool = False  # the client asked for `titan_timeline`
-
-    def extras(self, output: RequestOutput) -> dict[str, Any]:
-        """Titan's additions to a finished choice: its timeline (on request) and any degradation applied."""
-        fields: dict[str, Any] = {}
-        if self.timeline and output.timeline is not None:
-            fields["titan_timeline"] = output.timeline
-        if output.degradations:
-            fields["titan_degraded"] = output.degradations
-        return fields
 
 
 TIMELINE_HEADER = "x-titan-timeline"

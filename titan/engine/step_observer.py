@@ -1,0 +1,75 @@
+"""What watches each engine step after it ran: step records, the cost model and request timelines.
+
+The engine calls `observe` once per step, after commit; nothing here changes what the step did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from titan.engine.cost_model import StepCostModel, StepShape, shape_of
+from titan.engine.gc_discipline import GcMonitor
+from titan.engine.scheduler_output import SchedulerOutput
+from titan.engine.sequence import Sequence
+
+STEP_HISTORY = 2048  # engine steps kept for attribution (/debug/steps)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for transient attribution."""
+
+    started: float  # time.monotonic()
+    duration: float
+    num_tokens: int
+    num_sequences: int
+    num_prefill_tokens: int  # tokens of sequences computing more than one token
+    num_decodes: int
+    num_preemptions: int
+    predicted_duration: float | None  # the cost model's prediction, once it is fitted
+    gc_pause: float  # seconds the garbage collector paused during the step
+
+    @classmethod
+    def of(cls, output: SchedulerOutput, started: float, duration: float, predicted: float | None,
+           gc_pause: float) -> StepRecord:
+        prefill_tokens = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
+        return cls(started, duration, output.num_batched_tokens, len(output.scheduled), prefill_tokens,
+                   sum(1 for s in output.scheduled if s.num_new_tokens == 1), len(output.preempted_seq_ids),
+                   predicted, gc_pause)
+
+
+class StepObserver:
+    def __init__(self, cost_model: StepCostModel, gc_monitor: GcMonitor) -> None:
+        self.cost_model = cost_model
+        self.gc_monitor = gc_monitor
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self._started = 0.0
+        self._gc_before = 0.0
+        self._predicted: float | None = None
+        self._shape = StepShape()
+
+    def step_started(self, output: SchedulerOutput, started: float) -> None:
+        """Called once the step is decided, before it runs: the prediction must not see its outcome."""
+        self._started = started
+        self._gc_before = self.gc_monitor.total_pause_seconds
+        self._shape = shape_of(output.scheduled)
+        self._predicted = self.cost_model.predict(self._shape) if self.cost_model.ready else None
+
+    def observe(self, output: SchedulerOutput, scheduled_seqs: list[Sequence | None], advanced: list[Sequence],
+                duration: float) -> None:
+        """The step ran and committed: record it, fit the cost model, extend the timelines.
+        `scheduled_seqs` are the sequences behind `output.scheduled` (None: gone before the step ran)."""
+        started = self._started
+        if not output.is_empty:
+            self.cost_model.observe(self._shape, duration)
+            gc_pause = self.gc_monitor.total_pause_seconds - self._gc_before
+            self.steps.append(StepRecord.of(output, started, duration, self._predicted, gc_pause))
+            for scheduled, seq in zip(output.scheduled, scheduled_seqs, strict=True):
+                if seq is not None and (scheduled.start_position < seq.num_prompt_tokens
+                                        or scheduled.num_new_tokens > 1):
+                    seq.timeline.record_chunk(started, scheduled.num_new_tokens, duration, seq.num_preemptions > 0)
+        now = time.monotonic()
+        for seq in advanced:
+            seq.timeline.record_token(now, seq.num_preemptions, reversed(self.steps))

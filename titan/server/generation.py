@@ -1,0 +1,175 @@
+"""The one skeleton both generation routes share: check, tokenize, submit, stream or collect, usage,
+abort on disconnect, `[DONE]`. A route (completions.py, chat.py) only says how its prompts become
+choices and how its choices look on the wire."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from titan.engine.llm_engine import EngineInfo
+from titan.engine.outputs import RequestOutput
+from titan.server.async_engine import EngineFailed, OutputStream
+from titan.server.errors import bad_request
+from titan.server.protocol import SamplingRequest, check_model
+from titan.server.serving import (
+    SSE_DONE,
+    Choice,
+    ServerState,
+    TokenTexts,
+    choice_index,
+    degraded_headers,
+    new_id,
+    request_priority,
+    run_to_completion,
+    sse,
+    sse_error,
+    sse_response,
+    submit,
+    until_disconnect,
+    usage,
+    wants_timeline,
+)
+
+
+@dataclass
+class Prepared:
+    """A request turned into engine work: its choices and the prompt tokens its usage counts."""
+
+    choices: list[Choice]
+    num_prompt_tokens: int
+
+
+class GenerationRoute(ABC):
+    """One POST route's specifics; a new instance serves each request (it may keep per-choice state)."""
+
+    id_prefix: str
+    object: str  # of the whole response
+    chunk_object: str  # of each streamed chunk
+
+    def __init__(self, body: SamplingRequest) -> None:
+        self.body = body
+        self.texts: TokenTexts | None = None  # set when the request asked for logprobs
+
+    @abstractmethod
+    def num_sequences(self) -> int:
+        """Engine sequences this request would create (prompts × n), known before any tokenization."""
+
+    @abstractmethod
+    def wants_logprobs(self) -> bool: ...
+
+    @abstractmethod
+    async def prepare(self, info: EngineInfo) -> Prepared:
+        """Tokenize and check the prompts against the context; 400 for anything that cannot run."""
+
+    def opening(self, prepared: Prepared) -> list[dict[str, Any]]:
+        """Streamed choice entries sent before any token (chat's role, completions' echo)."""
+        return []
+
+    @abstractmethod
+    def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
+        """The streamed choice entry for one step's delta; None when the step released nothing."""
+
+    @abstractmethod
+    def finish(self, output: RequestOutput) -> dict[str, Any]:
+        """The streamed entry that ends a choice (finish_reason set)."""
+
+    @abstractmethod
+    def whole(self, choice: Choice, output: RequestOutput) -> dict[str, Any]:
+        """The non-streamed choice entry from its final output."""
+
+
+async def handle_generation(state: ServerState, route: GenerationRoute, request: Request) -> Response:
+    arrival_time = time.monotonic()
+    info = state.serving_info()
+    body = route.body
+    check_model(body.model, [state.model_name])
+    body.check()
+    if route.num_sequences() > state.max_sequences_per_request:
+        param = "n" if body.n > 1 else "prompt"
+        raise bad_request(f"This request would run {route.num_sequences()} sequences (prompts × n); the limit is "
+                          f"{state.max_sequences_per_request} (--max-sequences-per-request).", param=param)
+    priority = request_priority(body.priority, request.headers)
+    if route.wants_logprobs():
+        route.texts = TokenTexts(info.tokenizer)
+    prepared = await route.prepare(info)
+    request_id = new_id(route.id_prefix)
+    envelope = Envelope(request_id, int(time.time()), state.model_name, route.chunk_object,
+                        wants_timeline(body.titan_timeline, request.headers), body.include_usage)
+
+    if body.stream:
+        stream = await submit(state, request_id, prepared.choices, priority, arrival_time)
+        return sse_response(stream_events(route, prepared, stream, envelope), stream)
+
+    async def run() -> Response:
+        stream = await submit(state, request_id, prepared.choices, priority, arrival_time)
+        finals = await run_to_completion(stream)
+        entries = [route.whole(choice, finals[choice.index]) | envelope.extras(finals[choice.index])
+                   for choice in prepared.choices]
+        completion_tokens = sum(output.num_output_tokens for output in finals.values())
+        return JSONResponse({"id": request_id, "object": route.object, "created": envelope.created,
+                             "model": envelope.model, "choices": entries,
+                             "usage": usage(prepared.num_prompt_tokens, completion_tokens)},
+                            headers=degraded_headers(stream))
+
+    return await until_disconnect(request, run())
+
+
+@dataclass
+class Envelope:
+    """What every streamed chunk of one request repeats."""
+
+    request_id: str
+    created: int
+    model: str
+    chunk_object: str
+    timeline: bool  # the client asked for `titan_timeline`
+    include_usage: bool
+
+    def chunk(self, entry: dict[str, Any]) -> bytes:
+        payload: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
+                                   "model": self.model, "choices": [entry]}
+        if self.include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    def extras(self, output: RequestOutput) -> dict[str, Any]:
+        """Titan's additions to a finished choice: its timeline (on request) and any degradation applied."""
+        fields: dict[str, Any] = {}
+        if self.timeline and output.timeline is not None:
+            fields["titan_timeline"] = output.timeline
+        if output.degradations:
+            fields["titan_degraded"] = output.degradations
+        return fields
+
+
+async def stream_events(route: GenerationRoute, prepared: Prepared, stream: OutputStream,
+                        envelope: Envelope) -> AsyncIterator[bytes]:
+    choices = {choice.index: choice for choice in prepared.choices}
+    completion_tokens = 0
+    try:
+        for entry in route.opening(prepared):
+            yield envelope.chunk(entry)
+        async for output in stream:
+            choice = choices[choice_index(output.request_id)]
+            entry = route.delta(choice, output)
+            if entry is not None:
+                yield envelope.chunk(entry)
+            if output.finished:
+                completion_tokens += output.num_output_tokens
+                yield envelope.chunk({"index": choice.index} | route.finish(output) | envelope.extras(output))
+        if envelope.include_usage:
+            yield sse({"id": envelope.request_id, "object": envelope.chunk_object, "created": envelope.created,
+                       "model": envelope.model, "choices": [],
+                       "usage": usage(prepared.num_prompt_tokens, completion_tokens)})
+    except EngineFailed as error:
+        yield sse_error(error)
+    finally:
+        stream.abort()
+    yield SSE_DONE
