@@ -1,0 +1,28 @@
+"""The API key from a file protects /v1/* and /debug/*, and /metrics with --metrics-require-key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from titan.server.launcher import ServerProcess
+
+KEY = "sk-from-a-file"
+
+
+def test_key_file_and_metrics_require_key(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    args = ["--api-key-file", str(key_file), "--metrics-require-key", "--max-num-seqs", "4",
+            "--kv-cache-memory", "0.05", "--no-warmup"]
+    with ServerProcess(args) as server:
+        assert KEY not in " ".join(server.args)  # nothing on the command line shows the key
+        authorized = {"Authorization": f"Bearer {KEY}"}
+        for path in ("/v1/models", "/debug/steps", "/metrics"):
+            assert httpx.get(server.url + path, timeout=30).status_code == 401, path
+            assert httpx.get(server.url + path, headers=authorized, timeout=30).status_code == 200, path
+        for path in ("/health", "/ready", "/version"):  # probes need no key
+            assert httpx.get(server.url + path, timeout=30).status_code == 200, path
+        wrong = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer nope"}, timeout=30)
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
