@@ -39,7 +39,7 @@ test-all: setup-dev
 	$(PY) -m pytest -q -m ''
 
 lint: setup-dev
-	$(VENV)/bin/ruff check titan tests benchmarks
+	$(VENV)/bin/ruff check titan tests benchmarks harness
 
 bench: setup-dev
 	$(PY) benchmarks/offline_throughput.py

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 from common import cpu_description, write_result
 
-from titan.server.launcher import ServerProcess
+from harness.server import ServerProcess
 
 PROMPT = "Write a short note about the history of lighthouses and the people who kept them. " * 3
 PREDICTED = re.compile(r"predicted time to first token is (\d+) ms")

@@ -1,8 +1,15 @@
-"""What the benchmarks share: the standard prompt set and where results are written."""
+"""What the benchmarks share: the standard prompt set, where results are written, the CPU they ran on.
+
+Importing it also puts the repository root on sys.path, so benchmarks (run as scripts from anywhere)
+reach the subprocess harnesses in `harness/`, which are not part of the installed package.
+"""
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def write_result(path: str | Path, result: dict[str, Any]) -> Path:

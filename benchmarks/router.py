@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 from common import write_result
 
+from harness.router import RouterProcess
+from harness.server import ServerProcess
 from titan.bench.metrics_scraper import parse_prometheus_text
-from titan.router.launcher import RouterProcess
-from titan.server.launcher import ServerProcess
 
 SERVER_ARGS = ["--model", "default", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
                "--kv-cache-memory", "0.2", "--drain-timeout", "10"]

@@ -29,10 +29,10 @@ import torch
 from common import make_prompts, write_result
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.server import ServerProcess
 from titan.config_flags import engine_config
 from titan.engine.llm_engine import LLMEngine
 from titan.engine.sampling_params import SamplingParams
-from titan.server.launcher import ServerProcess
 
 NUM_CLIENTS = 32
 PROMPT_TOKENS = 150

@@ -45,10 +45,10 @@ import httpx
 import numpy as np
 from common import write_result
 
+from harness.server import REPO_ROOT, ServerProcess
 from titan.bench.analysis import Slo, goodput, summarize
 from titan.bench.client import RequestResult
 from titan.bench.metrics_scraper import parse_prometheus_text
-from titan.server.launcher import REPO_ROOT, ServerProcess
 
 POLICIES = ("fcfs", "slo")
 SCENARIOS = ("storm", "burst")

@@ -13,7 +13,7 @@ from titan.bench.metrics_scraper import MetricsReducer, parse_prometheus_text
 from titan.bench.report import load_report
 from titan.entrypoints.cli import main
 
-launcher = pytest.importorskip("titan.server.launcher")
+launcher = pytest.importorskip("harness.server")
 
 # Small pools keep the server's warm-up short on two cores.
 SERVER_ARGS = ["--model", "default", "--max-num-batched-tokens", "256", "--max-num-seqs", "16",

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from harness.server import REPO_ROOT
 from titan.config import DEFAULT_SLO_ITL_MS, AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig
 from titan.config_flags import FLAG_NAMES, add_engine_arguments, engine_config, engine_config_from_args
-from titan.server.launcher import REPO_ROOT
 
 
 def test_every_option_field_has_a_flag_with_its_default() -> None:

@@ -20,6 +20,8 @@ import pytest
 from test_router_proxy import Backend as StubBackend
 from test_router_proxy import ServerThread, metric, wait_until
 
+from harness.router import RouterProcess
+from harness.server import ServerProcess, free_port
 from titan.bench.metrics_scraper import parse_prometheus_text
 from titan.entrypoints.cli import build_parser
 from titan.router.app import RouterApp
@@ -27,10 +29,8 @@ from titan.router.args import flag_settings
 from titan.router.backend import BackendPool
 from titan.router.config import BackendSpec, ConfigError, DnsTarget, RouterConfig, build_config
 from titan.router.discovery import backend_for, dns_resolver
-from titan.router.launcher import RouterProcess
 from titan.router.policies import PrefixAffinity, RoundRobin
 from titan.router.request_key import RoutingInfo
-from titan.server.launcher import ServerProcess, free_port
 
 TARGET = DnsTarget("titan-headless.default.svc.cluster.local", 8000)
 

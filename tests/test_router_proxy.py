@@ -15,12 +15,12 @@ import httpx
 import pytest
 import uvicorn
 
+from harness.server import free_port
 from titan.bench.metrics_scraper import parse_prometheus_text
 from titan.entrypoints.cli import main as cli_main
 from titan.router.app import RouterApp
 from titan.router.config import RouterConfig, parse_backend
 from titan.router.responses import has_output
-from titan.server.launcher import free_port
 
 
 class ServerThread:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from harness.router import RouterProcess
+from harness.server import ServerProcess
 from titan.bench.metrics_scraper import parse_prometheus_text
-from titan.router.launcher import RouterProcess
 from titan.router.policies import PrefixAffinity
 from titan.router.request_key import affinity_key
-from titan.server.launcher import ServerProcess
 
 # Small step shapes keep warm-up short; a 0.1 GiB KV cache (~2300 tokens) holds every prefix used here.
 SERVER_ARGS = ["--model", "default", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",

@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from titan.server.launcher import ServerProcess, free_port
+from harness.server import ServerProcess, free_port
 
 API_KEY = "sk-titan-test"
 # Small pools keep warm-up (largest step shapes) short; 64 sequences cover the 32-stream test.

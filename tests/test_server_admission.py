@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from titan.server.launcher import ServerProcess
+from harness.server import ServerProcess
 
 
 def test_flood_gets_429_with_retry_after_and_server_keeps_serving() -> None:

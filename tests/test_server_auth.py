@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 
-from titan.server.launcher import ServerProcess
+from harness.server import ServerProcess
 
 KEY = "sk-from-a-file"
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from titan.server.launcher import ServerProcess
+from harness.server import ServerProcess
 
 DRAIN_TIMEOUT = 8.0
 # Tiny step shapes keep warm-up short; this server only needs a few sequences.

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from titan.server.launcher import ServerProcess
+from harness.server import ServerProcess
 
 # A 32-token budget splits prompts into chunks; every request counts as slow, so each is logged.
 SERVER_ARGS = ["--max-num-batched-tokens", "32", "--max-num-seqs", "8", "--kv-cache-memory", "0.25",

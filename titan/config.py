@@ -210,6 +210,7 @@ class EngineConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     slow_request_ms: float = option(
         5000.0, "log the timeline of requests whose first token or longest token gap took longer (0: off)")
+    grammar_cache_size: int = option(64, "compiled structured-output grammars kept for reuse")
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -218,5 +219,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
+        if self.grammar_cache_size < 1:
+            raise ValueError("grammar_cache_size must be at least 1")
         if self.slow_request_ms < 0:
             raise ValueError("slow_request_ms must be non-negative (0: log no slow requests)")

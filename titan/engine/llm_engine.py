@@ -21,7 +21,8 @@ from titan.engine.sampler import Sampler
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.sequence import Sequence, SequenceStatus
-from titan.engine.step_observer import StepObserver, StepRecord
+from titan.engine.step_observer import StepDone, StepObserver, StepRecord
+from titan.engine.structured import GrammarCompiler
 from titan.loader import load_model_files
 from titan.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     max_num_batched_tokens: int
+    grammars: GrammarCompiler  # thread-safe: the server compiles request grammars with it off the engine thread
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class LLMEngine:
                                   self.dtype, sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, files.config.vocab_size, config.grammar_cache_size)
         self.load_seconds = time.perf_counter() - started
         logger.info("loaded %s on %s/%s in %.2f s: %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, self.dtype, self.load_seconds, self.num_blocks, block_size,
@@ -122,7 +125,7 @@ class LLMEngine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                          self.config.scheduler.max_num_batched_tokens)
+                          self.config.scheduler.max_num_batched_tokens, self.grammars)
 
     def warmup(self) -> None:
         """Drive the largest shapes once, then settle the garbage collector (see gc_discipline)."""
@@ -144,6 +147,8 @@ class LLMEngine:
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.scheduler.check_admissible(seq)
+        if seq.sampling_params.structured_outputs is not None:  # a cache hit when the server compiled it
+            seq.grammar = self.grammars.new_state(seq.sampling_params.structured_outputs)
         waiting = list(self.scheduler.waiting)
         self.admission.check(seq, waiting, self.scheduler.running, self.scheduler.ahead_of(seq))
         self.admission.degrade(seq, waiting, self.scheduler.max_length(seq) - seq.num_prompt_tokens)
@@ -154,16 +159,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step, one way: the scheduler decides, the runner computes, commit publishes, emit reports."""
-        started = time.monotonic()
+        started, gc_pause_before = time.monotonic(), self.gc_monitor.total_pause_seconds
         decision = self.scheduler.schedule()
-        self.observer.step_started(decision, started)
         scheduled_seqs = [self.scheduler.sequences.get(s.seq_id) for s in decision.scheduled]
         result = self.runner.execute(decision)
         duration = time.monotonic() - started
         advanced = self.scheduler.commit(decision, result)
         detokenized = self.output_processor.detokenize(advanced, result)
         self.scheduler.stop(detokenized.stopped)
-        self.observer.observe(decision, scheduled_seqs, advanced, duration)
+        self.observer.observe(StepDone(decision, scheduled_seqs, advanced, started, duration, gc_pause_before))
         outputs = self.output_processor.emit(detokenized)
         for output in outputs:
             if output.finished:

@@ -1,6 +1,7 @@
 """Turns one step's logits into next tokens: penalties, bans, temperature, min-p/top-k/top-p, seeds.
 
-Order follows vLLM: min_tokens bans and penalties shape the logits that greedy decoding argmaxes over;
+Order follows vLLM: logit_bias, grammar masks (structured outputs), min_tokens bans and penalties shape
+the logits that greedy decoding argmaxes over;
 random rows then apply temperature, min-p, top-k and top-p before drawing. Logprobs always describe the
 raw model distribution.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from titan.engine.scheduler_output import ScheduledSequence, TokenLogprobs
+from titan.engine.structured import apply_grammar_masks
 
 # Below this temperature a row is decoded greedily (dividing by it would overflow).
 GREEDY_TEMPERATURE = 1e-5
@@ -37,10 +39,16 @@ def process_logits(
     processed = logits.float()
     ban_rows, ban_ids = _min_tokens_bans(requests, eos_token_ids, logits.shape[-1])
     penalty_rows = [i for i, request in enumerate(requests) if _has_penalties(request)]
-    if not ban_rows and not penalty_rows:
+    bias_rows = [i for i, request in enumerate(requests) if request.sampling_params.logit_bias]
+    grammar_rows = [i for i, request in enumerate(requests) if request.grammar is not None]
+    if not ban_rows and not penalty_rows and not bias_rows and not grammar_rows:
         return processed
     if processed is logits:
         processed = processed.clone()
+    if bias_rows:
+        _apply_logit_bias(processed, [requests[i] for i in bias_rows], bias_rows)
+    if grammar_rows:
+        apply_grammar_masks(processed, grammar_rows, [requests[i].grammar for i in grammar_rows])
     if ban_rows:
         rows = torch.tensor(ban_rows, device=logits.device)
         ids = torch.tensor(ban_ids, device=logits.device)
@@ -48,6 +56,18 @@ def process_logits(
     if penalty_rows:
         _apply_penalties(processed, [requests[i] for i in penalty_rows], penalty_rows)
     return processed
+
+
+def _apply_logit_bias(processed: torch.Tensor, requests: list[ScheduledSequence], rows: list[int]) -> None:
+    """Add each request's logit_bias to its row (OpenAI: -100 bans a token, 100 all but forces it)."""
+    vocab_size = processed.shape[-1]
+    pairs = [(row, token, bias) for row, request in zip(rows, requests, strict=True)
+             for token, bias in (request.sampling_params.logit_bias or {}).items() if token < vocab_size]
+    if pairs:
+        row_ids, token_ids, biases = zip(*pairs, strict=True)
+        device = processed.device
+        processed.index_put_((torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)),
+                             torch.tensor(biases, device=device, dtype=processed.dtype), accumulate=True)
 
 
 def _min_tokens_bans(

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titan.engine.structured import StructuredOutputs
 
 MAX_REPETITION_PENALTY = 100.0
 
@@ -25,6 +29,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position (plus the sampled token)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to the logits
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +58,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative"),
             (self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits"),
+            (not self.logit_bias or all(t >= 0 and math.isfinite(b) and -100 <= b <= 100
+                                        for t, b in self.logit_bias.items()),
+             "logit_bias", "must map token ids to biases in [-100, 100]"),
         ]
         for ok, name, message in checks:
             if not ok:

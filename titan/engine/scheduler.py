@@ -268,6 +268,7 @@ class Scheduler:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             generator=seq.generator,
+            grammar=seq.grammar,
         )
 
     def _preempt(self, seq: Sequence, step: _StepBuilder) -> None:
@@ -301,6 +302,8 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.output_token_ids.append(token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             advanced.append(seq)
@@ -326,6 +329,8 @@ class Scheduler:
                 return SequenceStatus.FINISHED_STOPPED
         if seq.num_tokens >= self.max_length(seq):
             return SequenceStatus.FINISHED_LENGTH
+        if seq.grammar is not None and seq.grammar.finished:
+            return SequenceStatus.FINISHED_STOPPED  # the grammar allows nothing more
         return None
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

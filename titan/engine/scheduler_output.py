@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from titan.engine.structured import GrammarState
 
 
 @dataclass
@@ -27,6 +31,7 @@ class ScheduledSequence:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # structured outputs: the sampler masks what it forbids (read-only)
 
     @property
     def num_new_tokens(self) -> int:

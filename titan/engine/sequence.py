@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.timeline import RequestTimeline
+
+if TYPE_CHECKING:
+    from titan.engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -67,6 +71,8 @@ class Sequence:
         self.timeline = RequestTimeline()
         # Degradations applied under pressure (admission), e.g. {"max_tokens": {"requested": 512, "applied": 64}}.
         self.degradations: dict[str, dict[str, int]] = {}
+        # Structured outputs: where the output stands in its grammar (set by the engine at admission).
+        self.grammar: GrammarState | None = None
         # A private generator makes seeded sampling independent of the batch it runs in.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:

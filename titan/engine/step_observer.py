@@ -9,7 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from titan.engine.cost_model import StepCostModel, StepShape, shape_of
+from titan.engine.cost_model import StepCostModel, shape_of
 from titan.engine.gc_discipline import GcMonitor
 from titan.engine.scheduler_output import SchedulerOutput
 from titan.engine.sequence import Sequence
@@ -40,36 +40,39 @@ class StepRecord:
                    predicted, gc_pause)
 
 
+@dataclass(frozen=True)
+class StepDone:
+    """What the observer is told about one step, once it ran and committed."""
+
+    decision: SchedulerOutput
+    scheduled_seqs: list[Sequence | None]  # behind `decision.scheduled` (None: gone before the step ran)
+    advanced: list[Sequence]  # sequences that got a token
+    started: float  # time.monotonic()
+    duration: float  # schedule + execute
+    gc_pause_before: float  # the GC monitor's running total when the step started
+
+
 class StepObserver:
     def __init__(self, cost_model: StepCostModel, gc_monitor: GcMonitor) -> None:
         self.cost_model = cost_model
         self.gc_monitor = gc_monitor
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
-        self._started = 0.0
-        self._gc_before = 0.0
-        self._predicted: float | None = None
-        self._shape = StepShape()
 
-    def step_started(self, output: SchedulerOutput, started: float) -> None:
-        """Called once the step is decided, before it runs: the prediction must not see its outcome."""
-        self._started = started
-        self._gc_before = self.gc_monitor.total_pause_seconds
-        self._shape = shape_of(output.scheduled)
-        self._predicted = self.cost_model.predict(self._shape) if self.cost_model.ready else None
-
-    def observe(self, output: SchedulerOutput, scheduled_seqs: list[Sequence | None], advanced: list[Sequence],
-                duration: float) -> None:
-        """The step ran and committed: record it, fit the cost model, extend the timelines.
-        `scheduled_seqs` are the sequences behind `output.scheduled` (None: gone before the step ran)."""
-        started = self._started
-        if not output.is_empty:
-            self.cost_model.observe(self._shape, duration)
-            gc_pause = self.gc_monitor.total_pause_seconds - self._gc_before
-            self.steps.append(StepRecord.of(output, started, duration, self._predicted, gc_pause))
-            for scheduled, seq in zip(output.scheduled, scheduled_seqs, strict=True):
+    def observe(self, step: StepDone) -> None:
+        """Record the step, fit the cost model, extend the timelines. The prediction is read before the
+        fit, so it never saw the step it predicts."""
+        decision = step.decision
+        if not decision.is_empty:
+            shape = shape_of(decision.scheduled)
+            predicted = self.cost_model.predict(shape) if self.cost_model.ready else None
+            self.cost_model.observe(shape, step.duration)
+            gc_pause = self.gc_monitor.total_pause_seconds - step.gc_pause_before
+            self.steps.append(StepRecord.of(decision, step.started, step.duration, predicted, gc_pause))
+            for scheduled, seq in zip(decision.scheduled, step.scheduled_seqs, strict=True):
                 if seq is not None and (scheduled.start_position < seq.num_prompt_tokens
                                         or scheduled.num_new_tokens > 1):
-                    seq.timeline.record_chunk(started, scheduled.num_new_tokens, duration, seq.num_preemptions > 0)
+                    seq.timeline.record_chunk(step.started, scheduled.num_new_tokens, step.duration,
+                                              seq.num_preemptions > 0)
         now = time.monotonic()
-        for seq in advanced:
+        for seq in step.advanced:
             seq.timeline.record_token(now, seq.num_preemptions, reversed(self.steps))

@@ -28,11 +28,18 @@ from titan.engine.step_observer import StepRecord
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
 from titan.server.completions import create_completion
-from titan.server.errors import install_error_handlers, validation_error
+from titan.server.errors import bad_request, install_error_handlers, validation_error
 from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.server.middleware import APIKeyCheck, BodySizeLimit
-from titan.server.protocol import ChatCompletionRequest, CompletionRequest
-from titan.server.serving import ServerState
+from titan.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_model,
+    check_token_ids,
+)
+from titan.server.serving import ServerState, tokenize
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -131,6 +138,33 @@ def build_app(
         card = {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "titan",
                 "root": loaded.model_name, "max_model_len": loaded.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, object]:
+        body = await parse_body(request, TokenizeRequest)
+        info = state.serving_info()
+        check_model(body.model, [state.model_name])
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            messages = ChatCompletionRequest(messages=body.messages).template_messages()
+            try:
+                text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            except ValueError as error:
+                raise bad_request(f"Cannot apply the chat template: {error}", param="messages") from error
+            tokens = await tokenize(info.tokenizer, text)
+        else:
+            tokens = await tokenize(info.tokenizer, body.prompt or "", body.add_special_tokens)
+        strings = [info.tokenizer.id_to_token(t) or "" for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens, "token_strs": strings}
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, object]:
+        body = await parse_body(request, DetokenizeRequest)
+        info = state.serving_info()
+        check_model(body.model, [state.model_name])
+        check_token_ids(body.tokens, info.vocab_size, param="tokens")
+        return {"prompt": info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # `state.handling` counts handlers between arrival and their requests reaching the engine, so a
     # drain that waits for it and for the engine's in-flight count never misses one in between.

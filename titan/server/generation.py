@@ -4,6 +4,7 @@ choices and how its choices look on the wire."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from titan.engine.llm_engine import EngineInfo
 from titan.engine.outputs import RequestOutput
+from titan.engine.structured import GrammarError
 from titan.server.async_engine import EngineFailed, OutputStream
 from titan.server.errors import bad_request
 from titan.server.protocol import SamplingRequest, check_model
@@ -99,6 +101,14 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
     if route.wants_logprobs():
         route.texts = TokenTexts(info.tokenizer)
     prepared = await route.prepare(info)
+    constraint = prepared.choices[0].params.structured_outputs
+    if constraint is not None:
+        # Compiled here, in a worker thread, before the request reaches the engine: a slow schema delays
+        # only its own request, and the engine finds the compiled grammar in the cache.
+        try:
+            await asyncio.to_thread(info.grammars.compile, constraint)
+        except GrammarError as error:
+            raise bad_request(str(error), param=error.param) from error
     request_id = new_id(route.id_prefix)
     envelope = Envelope(request_id, int(time.time()), state.model_name, route.chunk_object,
                         wants_timeline(body.titan_timeline, request.headers), body.include_usage)

@@ -65,13 +65,15 @@ class BodySizeLimit:
 
 
 class APIKeyCheck:
-    """401 without `Authorization: Bearer <key>` on /v1/* and /debug/* (engine internals); /metrics too when
+    """401 without `Authorization: Bearer <key>` on /v1/*, /tokenize, /detokenize and /debug/* (engine
+    internals); /metrics too when
     `protect_metrics`. Health, readiness and version stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
-        self.prefixes = ("/v1", "/debug", "/metrics") if protect_metrics else ("/v1", "/debug")
+        protected = ("/v1", "/debug", "/tokenize", "/detokenize")
+        self.prefixes = (*protected, "/metrics") if protect_metrics else protected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.prefixes) and scope["method"] != "OPTIONS":

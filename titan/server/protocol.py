@@ -12,7 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from titan.engine.sampling_params import InvalidParameterError, SamplingParams
+from titan.engine.structured import GrammarError, StructuredOutputs
 from titan.server.errors import APIError, bad_request
+from titan.server.fields import check_extra_fields
 
 # Without a limit one request could fan out into thousands of engine sequences.
 MAX_N = 128
@@ -24,11 +26,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_spec: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. Numbers are bounded here (finite floats,
     integers within what the engine can hold), so a wild value is a 400 naming its field."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
+    # Extra fields are kept so that check_common can refuse or log them (fields.py), never drop them silently.
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -53,8 +84,65 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     # Titan extension: return each choice's timeline (queued, prefill chunks, decode, stalls) when it finishes.
     titan_timeline: bool = False
+    logit_bias: dict[str, float] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The one output constraint the request asks for (400 if several), or None."""
+        found: list[tuple[str, Any, str]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                found.append(("json_object", None, "response_format"))
+            else:
+                spec = self.response_format.json_schema
+                if spec is None or spec.json_schema is None:
+                    raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                      param="response_format.json_schema")
+                found.append(("json", spec.json_schema, "response_format"))
+        if self.structured_outputs is not None:
+            given = self.structured_outputs
+            for kind, value in (("json", given.json_spec), ("regex", given.regex), ("choice", given.choice),
+                                ("grammar", given.grammar)):
+                if value is not None:
+                    found.append((kind, value, f"structured_outputs.{'json' if kind == 'json' else kind}"))
+            if given.json_object:
+                found.append(("json_object", None, "structured_outputs.json_object"))
+        for kind, value, param in (("json", self.guided_json, "guided_json"), ("regex", self.guided_regex,
+                                   "guided_regex"), ("choice", self.guided_choice, "guided_choice"),
+                                   ("grammar", self.guided_grammar, "guided_grammar")):
+            if value is not None:
+                found.append((kind, value, param))
+        if len(found) > 1:
+            raise bad_request("Give one output constraint, not several: " + ", ".join(f[2] for f in found),
+                              param=found[1][2])
+        if not found:
+            return None
+        kind, value, param = found[0]
+        try:
+            return StructuredOutputs.of(kind, value, param)
+        except GrammarError as error:
+            raise bad_request(str(error), param=error.param) from error
+
+    def logit_bias_ids(self, vocab_size: int | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token id strings) as token ids, each inside the vocabulary."""
+        if not self.logit_bias:
+            return None
+        biases: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+                raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                                  param="logit_bias")
+            biases[int(key)] = bias
+        return biases
 
     def check_common(self) -> None:
+        check_extra_fields(self.model_extra)
         if self.n < 1 or self.n > MAX_N:
             raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
@@ -80,6 +168,8 @@ class SamplingRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": self.logit_bias_ids(vocab_size),
+            "structured_outputs": self.structured(),
         }
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
@@ -114,7 +204,7 @@ class CompletionRequest(SamplingRequest):
         self.check_common()
         if self.echo and self.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
-                              param="echo", code="unsupported_value")
+                              param="echo", code="unsupported_parameter")
 
 
 class TextPart(BaseModel):
@@ -196,3 +286,19 @@ def check_model(requested: str | None, served_names: list[str]) -> None:
         raise APIError(404, f"The model '{requested}' does not exist; this server serves "
                             f"{', '.join(repr(name) for name in served_names)}.",
                        param="model", code="model_not_found")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]

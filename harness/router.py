@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from titan.server.launcher import REPO_ROOT, free_port
+from harness.server import REPO_ROOT, free_port
 
 
 class RouterProcess:

@@ -1,0 +1,146 @@
+"""Structured outputs, logit_bias, /tokenize and /detokenize, and no silent ignores, on a real server with
+the official openai client. Outputs are checked against the schema with jsonschema."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from harness.server import ServerProcess
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "population": {"type": "integer", "minimum": 0},
+        "coastal": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["old", "big", "rainy"]}, "maxItems": 3},
+        "mayor": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+                  "required": ["name"], "additionalProperties": False},
+    },
+    "required": ["city", "population", "coastal", "tags", "mayor"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe the city of Paris as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    with ServerProcess(["--max-num-seqs", "8", "--kv-cache-memory", "0.1"]) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_json_schema_streamed_and_not_with_n_2(client: openai.OpenAI) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    whole = client.chat.completions.create(model=None, messages=ASK, max_tokens=120, n=2, temperature=0.8, seed=3,
+                                           response_format=response_format)
+    assert len(whole.choices) == 2
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    stream = client.chat.completions.create(model=None, messages=ASK, max_tokens=120, temperature=0,
+                                            response_format=response_format, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), CITY)
+
+
+def test_json_object_regex_choice_and_grammar(client: openai.OpenAI, server: ServerProcess) -> None:
+    obj = client.chat.completions.create(model=None, messages=ASK, max_tokens=200, temperature=0,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # a small model may ramble inside the object until max_tokens; it is still an object so far
+        assert obj.choices[0].message.content.startswith("{")
+    regex = client.completions.create(model=None, prompt="My phone number is", max_tokens=12, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{4}", regex.choices[0].text)
+    for field in ({"guided_choice": ["yes", "no", "maybe"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+        choice = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "Is it blue?"}],
+                                                max_tokens=5, temperature=1.0, seed=7, extra_body=field)
+        assert choice.choices[0].message.content in ("yes", "no", "maybe")
+    grammar = client.completions.create(model=None, prompt="Answer:", max_tokens=8, temperature=0,
+                                        extra_body={"guided_grammar": 'root ::= "up" | "down"'})
+    assert grammar.choices[0].text in ("up", "down")
+
+
+def test_bad_or_conflicting_constraints_are_400s_and_the_server_keeps_serving(server: ServerProcess) -> None:
+    url = server.url + "/v1/chat/completions"
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+         "response_format"),
+        ({"guided_regex": "([a-z"}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"logit_bias": {"not-a-token": 5}}, "logit_bias"),
+        ({"logit_bias": {"42": 1000}}, "logit_bias"),
+    ]
+    for extra, param in cases:
+        response = httpx.post(url, json={"messages": ASK, "max_tokens": 4, **extra}, timeout=120)
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == param, (extra, response.text)
+    ok = httpx.post(url, json={"messages": ASK, "max_tokens": 2}, timeout=120)
+    assert ok.status_code == 200
+
+
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, server: ServerProcess) -> None:
+    paris = httpx.post(server.url + "/tokenize", json={"prompt": " Paris", "add_special_tokens": False},
+                       timeout=30).json()["tokens"]
+    assert len(paris) == 1
+    plain = client.completions.create(model=None, prompt="The capital of France is", max_tokens=3, temperature=0)
+    banned = client.completions.create(model=None, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                       logit_bias={str(paris[0]): -100})
+    forced = client.completions.create(model=None, prompt="Hello", max_tokens=3, temperature=0,
+                                       logit_bias={str(paris[0]): 100})
+    assert plain.choices[0].text.startswith(" Paris")
+    assert "Paris" not in banned.choices[0].text
+    assert forced.choices[0].text == " Paris" * 3
+
+
+def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProcess) -> None:
+    text = "Titan keeps the tail flat."
+    tokenized = httpx.post(server.url + "/tokenize", json={"prompt": text, "return_token_strs": True},
+                           timeout=30).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"])
+    assert tokenized["max_model_len"] > 0
+    back = httpx.post(server.url + "/detokenize", json={"tokens": tokenized["tokens"]}, timeout=30).json()
+    assert back["prompt"].endswith(text)
+    chat = httpx.post(server.url + "/tokenize", json={"messages": ASK}, timeout=30).json()
+    usage = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 1},
+                       timeout=120).json()["usage"]
+    assert chat["count"] == usage["prompt_tokens"]  # the same tokens the chat endpoint feeds the model
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize(("route", "field", "value"), [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/completions", "suffix", " and then"),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/chat/completions", "prompt_logprobs", 1),
+])
+def test_known_fields_titan_cannot_honour_are_400_naming_them(server: ServerProcess, route: str, field: str,
+                                                             value: object) -> None:
+    body = {"messages": ASK} if "chat" in route else {"prompt": "Hi"}
+    response = httpx.post(server.url + route, json={**body, "max_tokens": 2, field: value}, timeout=120)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                          "param": field, "code": "unsupported_parameter"}
+
+
+def test_unknown_fields_are_served_and_logged_once(server: ServerProcess) -> None:
+    for _ in range(2):
+        response = httpx.post(server.url + "/v1/completions",
+                              json={"prompt": "Hi", "max_tokens": 2, "frobnicate": True}, timeout=120)
+        assert response.status_code == 200
+    assert server.log().count("ignoring unknown request field 'frobnicate'") == 1

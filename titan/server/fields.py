@@ -1,0 +1,74 @@
+"""No silent ignores: request fields outside Titan's schema are either refused or logged, never dropped.
+
+A field of OpenAI's or vLLM's API that Titan knows but cannot honour (with the value given) is a 400
+with code `unsupported_parameter` naming it. A field Titan has never heard of is ignored, as OpenAI's
+own server does, and logged once per name at WARNING so an operator sees what clients send.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from titan.server.errors import bad_request
+
+logger = logging.getLogger("titan.server")
+
+
+def _given(value: Any) -> bool:
+    return value is not None
+
+
+def _truthy(value: Any) -> bool:
+    return bool(value)
+
+
+# field → does this value ask for something Titan does not do?
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "tools": _truthy,
+    "functions": _truthy,
+    "tool_choice": lambda value: value not in (None, "none"),
+    "function_call": lambda value: value not in (None, "none"),
+    "suffix": _truthy,  # no fill-in-the-middle
+    "best_of": lambda value: value not in (None, 1),
+    "use_beam_search": _truthy,
+    "audio": _given,
+    "modalities": lambda value: value not in (None, ["text"]),
+    "prediction": _given,
+    "web_search_options": _given,
+    "reasoning_effort": _given,
+    "store": _truthy,
+    "prompt_logprobs": _given,
+    "allowed_token_ids": _given,
+    "bad_words": _truthy,
+    "include_stop_str_in_output": _truthy,
+    "logits_processors": _truthy,
+    "truncate_prompt_tokens": _given,
+}
+# Known fields that change nothing Titan computes: accepted without a word.
+INFORMATIONAL_FIELDS = frozenset({"metadata", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
+                                  "guided_whitespace_pattern", "request_id", "add_generation_prompt",
+                                  "continue_final_message", "add_special_tokens", "documents",
+                                  "chat_template_kwargs", "spaces_between_special_tokens"})
+
+_logged: set[str] = set()
+_lock = threading.Lock()
+
+
+def check_extra_fields(extra: Mapping[str, Any] | None) -> None:
+    """400 for a known field Titan cannot honour; a one-time WARNING for each unknown field name."""
+    for name, value in (extra or {}).items():
+        rule = UNSUPPORTED_FIELDS.get(name)
+        if rule is not None:
+            if rule(value):
+                raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+            continue
+        if name in INFORMATIONAL_FIELDS:
+            continue
+        with _lock:
+            first = name not in _logged
+            _logged.add(name)
+        if first:
+            logger.warning("ignoring unknown request field %r (logged once per field name)", name)
