@@ -59,8 +59,11 @@ def test_request_level_checks() -> None:
         CompletionRequest(prompt="x", n=0).check()
     with pytest.raises(APIError, match="stream_options"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).check()
+    CompletionRequest(prompt="x", echo=True, logprobs=1).check()  # scores the prompt
     with pytest.raises(APIError, match="echo"):
-        CompletionRequest(prompt="x", echo=True, logprobs=1).check()
+        CompletionRequest(prompt="x", echo=True, logprobs=1, stream=True).check()
+    with pytest.raises(APIError, match="max_tokens"):
+        CompletionRequest(prompt="x", max_tokens=0).check()
     with pytest.raises(APIError, match="top_logprobs"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2).check()
     with pytest.raises(APIError) as unknown:

@@ -127,7 +127,7 @@ def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProces
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/completions", "suffix", " and then"),
     ("/v1/completions", "best_of", 3),
-    ("/v1/chat/completions", "prompt_logprobs", 1),
+    ("/v1/completions", "use_beam_search", True),
 ])
 def test_known_fields_titan_cannot_honour_are_400_naming_them(server: ServerProcess, route: str, field: str,
                                                              value: object) -> None:
@@ -144,3 +144,46 @@ def test_unknown_fields_are_served_and_logged_once(server: ServerProcess) -> Non
                               json={"prompt": "Hi", "max_tokens": 2, "frobnicate": True}, timeout=120)
         assert response.status_code == 200
     assert server.log().count("ignoring unknown request field 'frobnicate'") == 1
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_teacher_forcing(server: ServerProcess) -> None:
+    from titan import LLM
+    from titan.engine.sampling_params import SamplingParams
+    from titan.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    choice = reply["choices"][0]
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+    assert choice["text"].endswith(prompt) and reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                                                  "total_tokens": len(ids)}
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
+    assert all(len(top) >= 1 for top in logprobs["top_logprobs"][1:])
+    # The engine, offline, one teacher-forced pass over the prompt.
+    llm = LLM("default", max_num_seqs=1, kv_cache_memory=0.05)
+    step = ScheduledSequence(seq_id=0, token_ids=ids, start_position=0, block_table=list(range(len(ids) // 16 + 1)),
+                             sample=True, sampling_params=SamplingParams(), prompt_token_ids=ids, output_token_ids=[])
+    reference = llm.engine.runner.compute_logits_for(SchedulerOutput(scheduled=[step]), all_tokens=True)
+    expected = reference.log_softmax(-1)
+    for position in range(1, len(ids)):
+        assert logprobs["token_logprobs"][position] == pytest.approx(float(expected[position - 1, ids[position]]),
+                                                                     abs=2e-3)
+    # With generated tokens too: the prompt's entries come first, then the completion's.
+    more = httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 3}, timeout=120).json()
+    assert len(more["choices"][0]["logprobs"]["tokens"]) == len(ids) + 3
+    scored = more["choices"][0]["logprobs"]["token_logprobs"]
+    assert scored[0] is None and scored[1:len(ids)] == pytest.approx(logprobs["token_logprobs"][1:], abs=2e-3)
+
+
+def test_vllm_prompt_logprobs_field_and_streaming_refusal(server: ServerProcess) -> None:
+    reply = httpx.post(server.url + "/v1/chat/completions",
+                       json={"messages": ASK, "max_tokens": 2, "prompt_logprobs": 1}, timeout=120).json()
+    entries = reply["choices"][0]["prompt_logprobs"]
+    assert len(entries) == reply["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(entry and all({"logprob", "rank", "decoded_token"} <= set(v) for v in entry.values())
+               for entry in entries[1:])
+    streamed = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "echo": True, "logprobs": 1,
+                                                                "stream": True, "max_tokens": 2}, timeout=120)
+    assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "unsupported_parameter"

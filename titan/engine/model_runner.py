@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan.config import ModelConfig
+from titan.engine.sampler import compute_logprobs
 from titan.engine.sampling_params import SamplingParams
-from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
+from titan.engine.scheduler_output import PromptLogprobs, RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.model.attention import AttentionMetadata, build_attention_metadata
 from titan.model.llama import LlamaForCausalLM
 
@@ -65,15 +66,19 @@ class ModelRunner:
         return per_token * block_size * model_config.num_hidden_layers
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step; one sampled token per `sample` sequence, in `scheduled` order."""
+        """Run one step; one sampled token per `sample` sequence, in `scheduled` order, plus the prompt
+        logprobs of sequences that asked for them."""
         if scheduler_output.is_empty:
             return RunnerOutput()
         with torch.inference_mode():
-            logits, requests = self._logits_for_sampling(scheduler_output)
+            inputs, hidden = self._forward(scheduler_output.scheduled)
+            logits, requests = self._logits_for_sampling(scheduler_output.scheduled, inputs, hidden)
+            prompt_logprobs = self._prompt_logprobs(scheduler_output.scheduled, inputs, hidden)
             if not requests:
-                return RunnerOutput()
+                return RunnerOutput(prompt_logprobs=prompt_logprobs)
             token_ids, logprobs = self.sampler(logits, requests)
-        return RunnerOutput(seq_ids=[r.seq_id for r in requests], token_ids=list(token_ids), logprobs=list(logprobs))
+        return RunnerOutput(seq_ids=[r.seq_id for r in requests], token_ids=list(token_ids), logprobs=list(logprobs),
+                            prompt_logprobs=prompt_logprobs)
 
     def compute_logits_for(self, scheduler_output: SchedulerOutput, all_tokens: bool = False) -> torch.Tensor:
         """Run the step (writing its K/V) and return float32 logits without sampling.
@@ -82,10 +87,9 @@ class ModelRunner:
         of every scheduled sequence, sequence after sequence in `scheduled` order.
         """
         with torch.inference_mode():
+            inputs, hidden = self._forward(scheduler_output.scheduled)
             if not all_tokens:
-                return self._logits_for_sampling(scheduler_output)[0]
-            inputs = self._prepare(scheduler_output.scheduled)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+                return self._logits_for_sampling(scheduler_output.scheduled, inputs, hidden)[0]
             rows = torch.cat([torch.arange(start, end) for start, end in inputs.row_ranges])
             return self.model.compute_logits(hidden[rows.to(self.device)])
 
@@ -117,10 +121,12 @@ class ModelRunner:
         decodes = [scheduled(-2 - i, [0], prompt_length - 1) for i in range(max_num_seqs)]
         self.execute(SchedulerOutput(scheduled=decodes))
 
-    def _logits_for_sampling(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSequence]]:
-        scheduled = scheduler_output.scheduled
+    def _forward(self, scheduled: list[ScheduledSequence]) -> tuple[_StepInputs, torch.Tensor]:
         inputs = self._prepare(scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        return inputs, self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+
+    def _logits_for_sampling(self, scheduled: list[ScheduledSequence], inputs: _StepInputs,
+                             hidden: torch.Tensor) -> tuple[torch.Tensor, list[ScheduledSequence]]:
         requests = [s for s in scheduled if s.sample]
         rows = [end - 1 for s, (_, end) in zip(scheduled, inputs.row_ranges, strict=True) if s.sample]
         if not requests:
@@ -128,6 +134,27 @@ class ModelRunner:
         if rows != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)]
         return self.model.compute_logits(hidden), requests
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledSequence], inputs: _StepInputs,
+                         hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """For sequences that asked: the logprob of each prompt token this chunk predicts (a row at
+        position p predicts the prompt token at p + 1), with its top alternatives."""
+        results = []
+        for item, (row_start, _) in zip(scheduled, inputs.row_ranges, strict=True):
+            num_top = item.sampling_params.prompt_logprobs
+            num_prompt = len(item.prompt_token_ids)
+            # Positions start..last predict prompt tokens start+1..last+1; the prompt's last position
+            # predicts the first output token instead.
+            last = min(item.start_position + item.num_new_tokens, num_prompt - 1)
+            if num_top is None or last <= item.start_position:
+                continue
+            count = last - item.start_position
+            rows = torch.arange(row_start, row_start + count, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            targets = item.prompt_token_ids[item.start_position + 1:last + 1]
+            results.append(PromptLogprobs(item.seq_id, item.start_position + 1,
+                                          compute_logprobs(logits, targets, [num_top] * count)))
+        return results
 
     def _prepare(self, scheduled: list[ScheduledSequence]) -> _StepInputs:
         # One-token sequences form the batched decode group, whatever the scheduler's order.

@@ -37,6 +37,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # by prompt position; the first has none
     # Set on the final output: queued, prefill chunks, decode, preemptions, longest stall (timeline.summarize).
     timeline: dict[str, Any] | None = None
     # Degradations applied under pressure, e.g. {"max_tokens": {"requested": 512, "applied": 64}}.
@@ -126,6 +127,7 @@ class OutputProcessor:
             output.token_ids = list(seq.output_token_ids)
             output.text = detokenizer.text
             output.logprobs = self.logprobs.pop(seq.seq_id, None)
+            output.prompt_logprobs = seq.prompt_logprobs
             output.timeline = summarize(seq)
         return output
 

@@ -28,6 +28,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position (plus the sampled token)
+    # top-N logprobs of each prompt token given the ones before it (vLLM's); such a prompt skips the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to the logits
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
@@ -56,6 +58,7 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative"),
             (self.seed is None or -(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits"),
             (not self.logit_bias or all(t >= 0 and math.isfinite(b) and -100 <= b <= 100

@@ -148,7 +148,9 @@ class Scheduler:
                 if self._displace_for(step, seq):
                     continue
                 break
-            cached_blocks = self.block_manager.find_cached_prefix(seq)
+            # A prompt that wants its own logprobs must compute every position.
+            wants_prompt = seq.sampling_params.prompt_logprobs is not None
+            cached_blocks = [] if wants_prompt else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached_blocks) * self.block_manager.block_size
             num_new = self._chunk(step, seq, num_cached)
             if num_new == 0:
@@ -295,6 +297,10 @@ class Scheduler:
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += scheduled.num_new_tokens
                 self.block_manager.commit(seq)
+        for chunk in runner_output.prompt_logprobs:
+            seq = self.sequences.get(chunk.seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[chunk.first_position:chunk.first_position + len(chunk.entries)] = chunk.entries
         advanced: list[Sequence] = []
         now = time.monotonic()
         for seq_id, token_id in zip(runner_output.seq_ids, runner_output.token_ids, strict=True):

@@ -69,9 +69,20 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first_position`, `first_position + 1`, ... of one sequence (one chunk)."""
+
+    seq_id: int
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class RunnerOutput:
-    """What a step produced: one token per sampled sequence, in `scheduled` order."""
+    """What a step produced: one token per sampled sequence, in `scheduled` order, and the prompt logprobs
+    of the chunks whose sequences asked for them."""
 
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

@@ -13,6 +13,7 @@ from titan.engine.sampling_params import SamplingParams
 from titan.engine.timeline import RequestTimeline
 
 if TYPE_CHECKING:
+    from titan.engine.scheduler_output import TokenLogprobs
     from titan.engine.structured import GrammarState
 
 
@@ -71,6 +72,10 @@ class Sequence:
         self.timeline = RequestTimeline()
         # Degradations applied under pressure (admission), e.g. {"max_tokens": {"requested": 512, "applied": 64}}.
         self.degradations: dict[str, dict[str, int]] = {}
+        # Prompt logprobs by position (position 0 has none); filled as chunks commit, rewritten if recomputed.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         # Structured outputs: where the output stands in its grammar (set by the engine at admission).
         self.grammar: GrammarState | None = None
         # A private generator makes seeded sampling independent of the batch it runs in.

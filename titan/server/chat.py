@@ -14,7 +14,7 @@ from titan.engine.scheduler_output import TokenLogprobs
 from titan.server.errors import bad_request
 from titan.server.generation import GenerationRoute, Prepared, handle_generation
 from titan.server.protocol import ChatCompletionRequest, check_context
-from titan.server.serving import INLINE_TOKENIZE_CHARS, Choice, ServerState, TokenTexts
+from titan.server.serving import INLINE_TOKENIZE_CHARS, Choice, ServerState, TokenTexts, prompt_logprobs_field
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
@@ -35,6 +35,7 @@ class ChatRoute(GenerationRoute):
 
     async def prepare(self, info: EngineInfo) -> Prepared:
         body = self.body
+        self.tokenizer = info.tokenizer
         messages = body.template_messages()
         tokenizer = info.tokenizer
         try:
@@ -72,7 +73,8 @@ class ChatRoute(GenerationRoute):
         if self.texts is not None:
             logprobs = {"content": chat_logprobs(self.texts, output.logprobs or []), "refusal": None}
         return {"index": choice.index, "message": {"role": "assistant", "content": output.text},
-                "logprobs": logprobs, "finish_reason": output.finish_reason}
+                "logprobs": logprobs, "finish_reason": output.finish_reason} | prompt_logprobs_field(
+            self.texts or TokenTexts(self.tokenizer), self.body.prompt_logprobs, output)
 
 
 def chat_logprobs(texts: TokenTexts, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:

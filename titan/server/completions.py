@@ -12,7 +12,7 @@ from titan.engine.outputs import RequestOutput
 from titan.engine.scheduler_output import TokenLogprobs
 from titan.server.generation import GenerationRoute, Prepared, handle_generation
 from titan.server.protocol import CompletionRequest, check_context, check_token_ids
-from titan.server.serving import Choice, ServerState, TokenTexts, tokenize
+from titan.server.serving import Choice, ServerState, TokenTexts, prompt_logprobs_field, tokenize
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request) -> Response:
@@ -46,10 +46,14 @@ class CompletionRoute(GenerationRoute):
                 check_token_ids(prompt, info.vocab_size)
                 prompt_ids.append(list(prompt))
         choices = []
+        # echo + logprobs scores the prompt too (log-likelihood evaluation); max_tokens 0 then runs one token
+        # that is never shown.
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        requested = 1 if body.scores_prompt_only else body.max_tokens
         for prompt_index, token_ids in enumerate(prompt_ids):
-            max_tokens = check_context(len(token_ids), body.max_tokens, info.max_model_len)
+            max_tokens = check_context(len(token_ids), requested, info.max_model_len)
             for sample in range(body.n):
-                params = body.sampling_params(max_tokens, body.logprobs, sample, info.vocab_size)
+                params = body.sampling_params(max_tokens, body.logprobs, sample, info.vocab_size, prompt_logprobs)
                 choices.append(Choice(prompt_index * body.n + sample, prompt_index, token_ids, params))
         self.echoes = [info.tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
         return Prepared(choices, sum(len(ids) for ids in prompt_ids))
@@ -75,13 +79,35 @@ class CompletionRoute(GenerationRoute):
     def finish(self, output: RequestOutput) -> dict[str, Any]:
         return {"text": "", "logprobs": None, "finish_reason": output.finish_reason}
 
+    def completion_tokens(self, output: RequestOutput) -> int:
+        return 0 if self.body.scores_prompt_only else output.num_output_tokens
+
     def whole(self, choice: Choice, output: RequestOutput) -> dict[str, Any]:
         echo = self.echoes[choice.prompt_index]
+        only_prompt = self.body.scores_prompt_only
         logprobs = None
         if self.texts is not None:
-            logprobs = legacy_logprobs(self.texts, output.logprobs or [], len(echo))
-        return {"index": choice.index, "text": echo + output.text, "logprobs": logprobs,
-                "finish_reason": output.finish_reason}
+            logprobs = legacy_logprobs(self.texts, [] if only_prompt else output.logprobs or [], len(echo))
+            if self.body.echo:
+                logprobs = with_prompt(self.texts, logprobs, choice.prompt_token_ids, output.prompt_logprobs or [])
+        entry = {"index": choice.index, "text": echo + ("" if only_prompt else output.text), "logprobs": logprobs,
+                 "finish_reason": "length" if only_prompt else output.finish_reason}
+        return entry | prompt_logprobs_field(self.texts, self.body.prompt_logprobs, output)
+
+
+def with_prompt(texts: TokenTexts, completion: dict[str, Any], prompt_ids: list[int],
+                prompt: list[TokenLogprobs | None]) -> dict[str, Any]:
+    """The legacy logprobs object with the prompt's tokens first (echo): the first token has no logprob."""
+    tokens = [texts.text(token_id) for token_id in prompt_ids]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    token_logprobs = [entry.logprob if entry is not None else None for entry in prompt]
+    top = [None if entry is None else {texts.text(t): lp for t, lp in [(entry.token_id, entry.logprob), *entry.top]}
+           for entry in prompt]
+    return {"tokens": tokens + completion["tokens"], "token_logprobs": token_logprobs + completion["token_logprobs"],
+            "top_logprobs": top + completion["top_logprobs"], "text_offset": offsets + completion["text_offset"]}
 
 
 def legacy_logprobs(texts: TokenTexts, entries: list[TokenLogprobs], text_offset: int) -> dict[str, Any]:

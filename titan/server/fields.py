@@ -40,7 +40,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _given,
     "reasoning_effort": _given,
     "store": _truthy,
-    "prompt_logprobs": _given,
     "allowed_token_ids": _given,
     "bad_words": _truthy,
     "include_stop_str_in_output": _truthy,

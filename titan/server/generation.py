@@ -86,6 +86,10 @@ class GenerationRoute(ABC):
     def whole(self, choice: Choice, output: RequestOutput) -> dict[str, Any]:
         """The non-streamed choice entry from its final output."""
 
+    def completion_tokens(self, output: RequestOutput) -> int:
+        """What a finished choice counts in `usage.completion_tokens`."""
+        return output.num_output_tokens
+
 
 async def handle_generation(state: ServerState, route: GenerationRoute, request: Request) -> Response:
     arrival_time = time.monotonic()
@@ -122,7 +126,7 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         finals = await run_to_completion(stream)
         entries = [route.whole(choice, finals[choice.index]) | envelope.extras(finals[choice.index])
                    for choice in prepared.choices]
-        completion_tokens = sum(output.num_output_tokens for output in finals.values())
+        completion_tokens = sum(route.completion_tokens(output) for output in finals.values())
         return JSONResponse({"id": request_id, "object": route.object, "created": envelope.created,
                              "model": envelope.model, "choices": entries,
                              "usage": usage(prepared.num_prompt_tokens, completion_tokens)},
@@ -172,7 +176,7 @@ async def stream_events(route: GenerationRoute, prepared: Prepared, stream: Outp
             if entry is not None:
                 yield envelope.chunk(entry)
             if output.finished:
-                completion_tokens += output.num_output_tokens
+                completion_tokens += route.completion_tokens(output)
                 yield envelope.chunk({"index": choice.index} | route.finish(output) | envelope.extras(output))
         if envelope.include_usage:
             yield sse({"id": envelope.request_id, "object": envelope.chunk_object, "created": envelope.created,

@@ -85,6 +85,7 @@ class SamplingRequest(BaseModel):
     # Titan extension: return each choice's timeline (queued, prefill chunks, decode, stalls) when it finishes.
     titan_timeline: bool = False
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each choice gets the prompt tokens' logprobs (not streamed)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -147,13 +148,16 @@ class SamplingRequest(BaseModel):
             raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is not supported with stream", param="prompt_logprobs",
+                              code="unsupported_parameter")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int = 0,
-                        vocab_size: int | None = None) -> SamplingParams:
+                        vocab_size: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters for choice `index` (seeded choices get seed + index, as vLLM)."""
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids or [], vocab_size, param="stop_token_ids")
@@ -169,6 +173,7 @@ class SamplingRequest(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": self.logit_bias_ids(vocab_size),
+            "prompt_logprobs": prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             "structured_outputs": self.structured(),
         }
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -202,9 +207,17 @@ class CompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)",
-                              param="echo", code="unsupported_parameter")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise bad_request("echo together with logprobs is not supported when streaming", param="echo",
+                              code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                              param="max_tokens")
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(BaseModel):

@@ -20,6 +20,7 @@ from titan.engine.admission import AdmissionRejectedError
 from titan.engine.llm_engine import EngineInfo
 from titan.engine.outputs import RequestOutput
 from titan.engine.sampling_params import SamplingParams
+from titan.engine.scheduler_output import TokenLogprobs
 from titan.server.async_engine import AsyncEngine, EngineFailed, EngineRequest, OutputStream, RequestRejected
 from titan.server.errors import APIError, bad_request, error_body
 from titan.server.limits import DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -219,3 +220,22 @@ class TokenTexts:
 
     def bytes(self, token_id: int) -> list[int]:
         return list(self.text(token_id).encode("utf-8"))
+
+
+def prompt_logprobs_field(texts: TokenTexts | None, asked: int | None, output: RequestOutput) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` entry of a choice: per prompt position, token id → logprob, rank, text."""
+    if asked is None:
+        return {}
+    decode = texts.text if texts is not None else str
+
+    def entry(item: TokenLogprobs | None) -> dict[str, Any] | None:
+        if item is None:
+            return None
+        ranked = [(item.token_id, item.logprob, item.rank)]
+        ranked += [(token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(item.top, start=1)]
+        values: dict[str, Any] = {}
+        for token_id, logprob, rank in ranked:
+            values.setdefault(str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)})
+        return values
+
+    return {"prompt_logprobs": [entry(item) for item in output.prompt_logprobs or []]}
