@@ -172,6 +172,9 @@ class AdmissionConfig:
             raise ValueError("degrade_batch_max_tokens must be at least 1")
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; `model` is 'default', a GGUF file or an HF folder."""
@@ -186,8 +189,16 @@ class EngineConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Requests whose first token or longest token gap exceeds this are logged with their timeline; 0: none.
     slow_request_ms: float = 5000.0
+    # auto: a GGUF keeps its block formats (quantized kernels); none: dequantized to float at load.
+    quantization: str = "auto"
+    threads: int | None = None  # compute threads; None: the physical cores this process may use
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            choices = ", ".join(QUANTIZATION_CHOICES)
+            raise ValueError(f"quantization must be one of {choices}, not {self.quantization!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be at least 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -22,6 +22,7 @@ from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import SchedulerOutput
 from titan.engine.sequence import Sequence, SequenceStatus
+from titan.kernels.threads import configure_threads
 from titan.loader import load_model_files
 from titan.tokenizer import Tokenizer
 
@@ -107,7 +108,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        files = load_model_files(config.model)
+        configure_threads(config.threads)
+        files = load_model_files(config.model, config.quantization)
         self.model_name = files.name
         self.model_config = files.config
         self.tokenizer = Tokenizer.from_folder(files.folder)

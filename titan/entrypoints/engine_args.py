@@ -39,6 +39,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     admission.add_argument("--degrade-batch-max-tokens", type=int, default=None,
                            help="opt-in: while requests are waiting, clamp batch-class max_tokens to this "
                                 "(counted, and reported in the response as titan_degraded)")
+    group.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                       help="auto: a GGUF keeps its quantized formats; none: dequantize to float at load")
+    group.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
     group.add_argument("--slow-request-ms", type=float, default=5000.0,
                        help="log the timeline of requests whose first token or longest token gap took longer "
                             "(0: off)")
@@ -47,7 +50,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 ENGINE_FIELDS = ("device", "dtype", "max_model_len", "seed", "block_size", "kv_cache_memory",
                  "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "scheduling_policy",
                  "aging_seconds", "itl_slo_ms", "max_queued_requests", "max_queued_tokens", "ttft_slo_ms",
-                 "batch_share", "degrade_batch_max_tokens", "slow_request_ms")
+                 "batch_share", "degrade_batch_max_tokens", "slow_request_ms", "quantization", "threads")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -34,6 +34,8 @@ def build_engine_config(
     batch_share: float = 0.5,
     degrade_batch_max_tokens: int | None = None,
     slow_request_ms: float = 5000.0,
+    quantization: str = "auto",
+    threads: int | None = None,
 ) -> EngineConfig:
     """Flat keyword arguments (the CLI flags, one-to-one) → the typed nested config."""
     return EngineConfig(
@@ -47,6 +49,8 @@ def build_engine_config(
         admission=AdmissionConfig(max_queued_requests, max_queued_tokens, ttft_slo_ms, batch_share,
                                   degrade_batch_max_tokens),
         slow_request_ms=slow_request_ms,
+        quantization=quantization,
+        threads=threads,
     )
 
 
