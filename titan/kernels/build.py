@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -48,9 +49,21 @@ def _build_dir() -> Path:
     return folder
 
 
+def _ensure_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a venv that is not activated has the pinned PyPI ninja off PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def _compile() -> ModuleType:
     from torch.utils import cpp_extension
 
+    _ensure_ninja_on_path()
     folder = _build_dir()
     return cpp_extension.load(
         name="titan_qkernels",
@@ -96,3 +109,8 @@ def backend_name() -> str:
     """What runs quantized layers: 'native-avx512', 'native-avx2', 'native-generic' or 'torch'."""
     module = native()
     return f"native-{module.get_isa()}" if module is not None else "torch"
+
+
+def status() -> str:
+    """For /version: the backend if quantized layers have run in this process, else 'unused'."""
+    return backend_name() if _tried else "unused"
