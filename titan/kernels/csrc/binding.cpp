@@ -62,6 +62,7 @@ std::vector<std::string> cpu_features() {
     if (__builtin_cpu_supports("avx512vnni")) found.push_back("avx512vnni");
     if (__builtin_cpu_supports("avx512bf16")) found.push_back("avx512bf16");
     if (__builtin_cpu_supports("amx-bf16")) found.push_back("amx-bf16");
+    if (__builtin_cpu_supports("avx512fp16")) found.push_back("avx512fp16");
     return found;
 }
 
@@ -77,13 +78,12 @@ int64_t grain_for(int64_t N) {
     return std::max<int64_t>(8, N / (threads * 8));
 }
 
-// x [M, K] float32 (M <= kMaxFusedRows) times weight [N, K]^T -> [M, N]; every weight byte read once.
+// x [M, K] float32 times weight [N, K]^T -> [M, N]; every weight byte read from memory once.
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K) {
     check_weight(w, K);
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1,
                 "x must be float32 [M, in_features] with unit inner stride");
     const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
-    TORCH_CHECK(M <= kMaxFusedRows, "gemv takes at most ", kMaxFusedRows, " rows");
     auto y = torch::empty({M, N}, x.options());
     const KernelTable& t = table();
     const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -154,7 +154,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &set_isa, "select the kernel ISA: auto | generic | avx2 | avx512");
     m.def("get_isa", &get_isa, "the kernel ISA in use");
     m.def("cpu_features", &cpu_features, "SIMD features this CPU reports");
-    m.def("gemv", &gemv, "fused dequantize-and-dot for up to 8 rows");
+    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)");
     m.def("dequantize", &dequantize, "dequantize all or some rows to float32", py::arg("w"), py::arg("type"),
           py::arg("K"), py::arg("rows") = py::none());
     m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps");

@@ -4,18 +4,21 @@
 #pragma once
 #include <cstdint>
 
+#include <immintrin.h>
+
 // GGML type ids (ggml.h numbering, as written in GGUF files).
 enum GgmlType : int32_t {
     GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8,
     GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30,
 };
 
-// Largest number of activation rows the fused kernel handles in one pass over the weights.
+// Activation rows the fused kernel multiplies per pass over a weight row (more rows: several passes,
+// over a row that is by then in L1).
 constexpr int kMaxFusedRows = 8;
 
 struct KernelTable {
     const char* name;
-    // y[m * ldy + n] = dot(x[m * ldx .. + K], row n of w) for m < M (M <= kMaxFusedRows), n in [n0, n1).
+    // y[m * ldy + n] = dot(x[m * ldx .. + K], row n of w) for m < M n in [n0, n1).
     void (*gemv)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t ldx,
                  int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
     // out[(i - i0) * K ..] = row (rows ? rows[i] : i) of w dequantized, for i in [i0, i1).
