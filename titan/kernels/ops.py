@@ -16,19 +16,16 @@ from titan.kernels.quantized import QuantizedTensor
 TILE_FLOATS = 1 << 20
 # Rows up to which the fused kernel beats dequantize-then-GEMM (measured; see README "Quantized weights").
 FUSED_MAX_ROWS = 16
-# Wide steps multiply in bfloat16 where the CPU has native bf16 dot products (measured ~2x faster than
-# float32 at 64+ rows on Zen 4); elsewhere float32. TITAN_WIDE_BF16=0/1 forces it.
+# Wide steps multiply in float32 by default. A bfloat16 GEMM (TITAN_WIDE_BF16=1) measured ~2x faster at
+# 64+ rows on Zen 4 (native AVX512-BF16), but torch's CPU bf16 GEMM also rounds its output to bf16, and
+# teacher-forced top-1 agreement with the float32 model fell to 97.4% (float32 tiles: 100%), below the
+# 99% bar; so it stays opt-in (tests/test_quantized_model.py measures both).
 WIDE_BF16_ENV = "TITAN_WIDE_BF16"
-NATIVE_BF16_FEATURES = ("avx512bf16", "amx-bf16")
 
 
 @functools.cache
 def wide_bf16() -> bool:
-    forced = os.environ.get(WIDE_BF16_ENV, "auto")
-    if forced in ("0", "1"):
-        return forced == "1"
-    module = native()
-    return module is not None and any(f in module.cpu_features() for f in NATIVE_BF16_FEATURES)
+    return os.environ.get(WIDE_BF16_ENV, "0") == "1"
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
