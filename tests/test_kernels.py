@@ -164,3 +164,14 @@ def test_unsupported_isa_request_is_refused() -> None:
         with pytest.raises(RuntimeError, match="lacks"):
             NATIVE.set_isa("avx512")
     assert NATIVE.get_isa() in ("generic", "avx2", "avx512")
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("rows", [1, 5, 64, 130])
+def test_native_rms_norm_matches_torch(rows: int) -> None:
+    x, weight = torch.randn(rows, 576) * 3, 1 + 0.3 * torch.randn(576)
+    expected = torch.nn.functional.rms_norm(x.double(), (576,), weight.double(), 1e-5)
+    actual = ops.rms_norm(x, weight, 1e-5)
+    assert actual is not None and actual.dtype == torch.float32
+    assert relative_error(actual, expected) < NARROW_BOUND
+    assert ops.rms_norm(x.bfloat16(), weight, 1e-5) is None  # only float32 CPU rows take the native path

@@ -77,6 +77,8 @@ def _compile() -> ModuleType:
 def native() -> ModuleType | None:
     """The compiled kernel module, or None (with the reason in `native_error()`) if it cannot be built."""
     global _module, _error, _tried
+    if _tried:  # hot path (every layer of every step): no lock once decided
+        return _module
     with _lock:
         if _tried:
             return _module

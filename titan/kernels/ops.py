@@ -28,6 +28,14 @@ def wide_bf16() -> bool:
     return os.environ.get(WIDE_BF16_ENV, "0") == "1"
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The native RMSNorm for contiguous CPU float32 input, or None where it does not apply."""
+    module = native()
+    if module is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return None
+    return module.rms_norm(x.contiguous(), weight, eps)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """x [..., cols] @ weight.T -> [..., rows], in x's dtype."""
     module = native()
