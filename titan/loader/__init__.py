@@ -11,6 +11,7 @@ import torch
 
 from titan.config import ModelConfig
 from titan.kernels import QuantizedTensor
+from titan.kernels.quantize import FORMATS, quantize_state_dict
 from titan.loader.cache import load_gguf_cached
 from titan.loader.hf_weights import load_hf_config, load_hf_weights
 from titan.loader.resolve import ModelNotFoundError, resolve_model_path
@@ -34,9 +35,10 @@ class ModelFiles:
 def load_model_files(model: str | None = "default", quantization: str = "auto") -> ModelFiles:
     """Load config and weights for `model` ('default'/None, a .gguf file or an HF folder).
 
-    quantization: auto keeps a GGUF's block formats; none dequantizes them to float32 at load."""
-    if quantization not in ("auto", "none"):
-        raise ValueError(f"--quantization {quantization} is not implemented yet (use auto or none)")
+    quantization: auto keeps a GGUF's block formats; none dequantizes them to float32 at load; int8 / int4
+    quantize float matrices at load (Q8_0 / Q4_1 groups of 32; a GGUF is dequantized first)."""
+    if quantization not in ("auto", "none", *FORMATS):
+        raise ValueError(f"unknown quantization {quantization!r}")
     start = time.perf_counter()
     source = resolve_model_path(model)
     if source.is_dir():
@@ -47,5 +49,8 @@ def load_model_files(model: str | None = "default", quantization: str = "auto") 
         files = ModelFiles(converted.config, converted.weights, converted.folder, source.stem, source)
         how = f"GGUF, cache {'hit' if converted.cache_hit else 'miss (converted)'} at {converted.folder}"
         how += ", quantized" if quantization == "auto" else ", dequantized to float32"
+    if quantization in FORMATS:
+        files.weights = quantize_state_dict(files.weights, quantization)
+        how += f", quantized at load to {quantization} ({FORMATS[quantization].name})"
     logger.info("loaded model %s in %.2f s (%s)", files.name, time.perf_counter() - start, how)
     return files
