@@ -6,7 +6,9 @@ Error bounds (max |y - y_ref| / max |y_ref|, y_ref = x @ dequantize(w).T in floa
 - dequantization: exact (bit-identical float32), every format, every path;
 - narrow (fused) and float32 wide products: 1e-5 — the kernels multiply the exact dequantized values, so
   only the float32 summation order differs;
-- bfloat16 wide products: 2e-2 — activations and weights are rounded to bf16 (8-bit mantissa) first.
+- bfloat16 wide products: 2e-2 — activations and weights are rounded to bf16 (8-bit mantissa) first;
+- int8-activation narrow products (TITAN_INT8_ACTIVATIONS=1; Q4_0/Q4_1/Q8_0 on avx2/avx512): 2e-2 —
+  activations are rounded to int8 per block of 32 (measured ~5e-3).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ ISAS = [
 ]
 NARROW_BOUND = 1e-5
 BF16_BOUND = 2e-2
+INT8_ACTIVATION_BOUND = 2e-2
+INT8_ACTIVATION_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 # Row counts: single decode, a few decodes, exactly one fused pass, several passes, a wide step.
 ROW_COUNTS = (1, 3, 8, 13, ops.FUSED_MAX_ROWS, ops.FUSED_MAX_ROWS + 1, 40)
 
@@ -105,6 +109,25 @@ def test_products_match_reference(isa: str, kind: Q, monkeypatch: pytest.MonkeyP
             assert actual.shape == (rows, 70) and actual.dtype == torch.float32
             bound = BF16_BOUND if bf16 and rows > ops.FUSED_MAX_ROWS else NARROW_BOUND
             assert relative_error(actual, x.double() @ dense.T) < bound, (rows, bf16)
+
+
+@pytest.mark.parametrize("kind", INT8_ACTIVATION_TYPES, ids=lambda k: k.name)
+def test_int8_activation_products(isa: str, kind: Q) -> None:
+    cols = 768
+    raw = random_blocks(kind, 70, cols, seed=200 + int(kind))
+    weight, dense = quantized(raw, kind, cols), reference(raw, kind).double()
+    generator = torch.Generator().manual_seed(5)
+    try:
+        NATIVE.set_int8_activations(True)
+        for rows in (1, 3, 8, 11):
+            x = torch.randn(rows, cols, generator=generator)
+            error = relative_error(ops.quantized_linear(x, weight), x.double() @ dense.T)
+            # generic has no integer kernel and keeps float32 activations: the tight bound must hold there.
+            assert error < (NARROW_BOUND if isa == "generic" else INT8_ACTIVATION_BOUND), rows
+            if isa != "generic":
+                assert error > NARROW_BOUND  # the integer path really ran
+    finally:
+        NATIVE.set_int8_activations(False)
 
 
 @pytest.mark.parametrize("kind", SUPPORTED_TYPES, ids=lambda k: k.name)

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 
@@ -79,6 +80,35 @@ int64_t grain_for(int64_t N) {
     return std::max<int64_t>(8, N / (threads * 8));
 }
 
+bool g_int8_activations = false;  // opt-in: see titan/kernels/build.py
+
+bool set_int8_activations(bool enabled) {
+    g_int8_activations = enabled;
+    return g_int8_activations;
+}
+
+// Rows of x to int8 per block of 32 (scale = max |x| / 127, round to nearest), with each block's scale
+// and scale * sum of its quantized values (the term a Q4_1 minimum multiplies).
+void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+    const int64_t blocks = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const float* v = x + m * ldx + blk * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            int8_t* q = xq + m * K + blk * 32;
+            for (int i = 0; i < 32; i++) {
+                q[i] = (int8_t)std::nearbyint(v[i] * inv);
+                sum += q[i];
+            }
+            xd[m * blocks + blk] = d;
+            xs[m * blocks + blk] = d * (float)sum;
+        }
+    }
+}
+
 // x [M, K] float32 times weight [N, K]^T -> [M, N]; every weight byte read from memory once.
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K) {
     check_weight(w, K);
@@ -91,6 +121,15 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
     const float* xp = x.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const int64_t ldx = x.stride(0);
+    if (g_int8_activations && t.gemv_q8 != nullptr && (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0)) {
+        std::vector<int8_t> xq(M * K);
+        std::vector<float> xd(M * (K / 32)), xs(M * (K / 32));
+        quantize_activations(xp, ldx, M, K, xq.data(), xd.data(), xs.data());
+        at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
+            t.gemv_q8((int32_t)type, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1);
+        });
+        return y;
+    }
     at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
         t.gemv((int32_t)type, wp, row_bytes, K, xp, ldx, M, yp, N, n0, n1);
     });
@@ -188,5 +227,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("K"), py::arg("rows") = py::none());
     m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps");
     m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
+    m.def("set_int8_activations", &set_int8_activations,
+          "narrow Q4_0/Q4_1/Q8_0 steps: quantize activations to int8 per block (integer dot products)");
     m.attr("max_fused_rows") = kMaxFusedRows;
 }
