@@ -3,6 +3,8 @@ gguf's reference dequantization of the bytes we wrote."""
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -54,3 +56,24 @@ def test_default_model_int8_at_load() -> None:
     kinds = {t.type_name for t in files.weights.values() if isinstance(t, QuantizedTensor)}
     assert kinds == {"Q8_0"}
     assert sum(isinstance(t, QuantizedTensor) for t in files.weights.values()) == 1 + 30 * 7
+
+
+def test_engine_config_and_flags_validate_quantization_and_threads() -> None:
+    import argparse
+
+    from titan.config import EngineConfig
+    from titan.entrypoints.engine_args import add_engine_arguments, engine_kwargs
+    from titan.entrypoints.llm import build_engine_config
+    from titan.kernels.threads import physical_cores
+
+    assert EngineConfig().quantization == "auto" and EngineConfig().threads is None
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match="threads"):
+        EngineConfig(threads=0)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = build_engine_config("default", **engine_kwargs(parser.parse_args(["--quantization", "int4",
+                                                                               "--threads", "3"])))
+    assert (config.quantization, config.threads) == ("int4", 3)
+    assert 1 <= physical_cores() <= (os.cpu_count() or 1)
