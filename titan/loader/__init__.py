@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from titan.config import ModelConfig
 from titan.kernels import QuantizedTensor
 from titan.kernels.quantize import FORMATS, quantize_state_dict
 from titan.loader.cache import load_gguf_cached
+from titan.loader.hf_quantized import convert_quantized_checkpoint, quantization_method
 from titan.loader.hf_weights import load_hf_config, load_hf_weights
 from titan.loader.resolve import ModelNotFoundError, resolve_model_path
 
@@ -35,8 +37,9 @@ class ModelFiles:
 def load_model_files(model: str | None = "default", quantization: str = "auto") -> ModelFiles:
     """Load config and weights for `model` ('default'/None, a .gguf file or an HF folder).
 
-    quantization: auto keeps a GGUF's block formats; none dequantizes them to float32 at load; int8 / int4
-    quantize float matrices at load (Q8_0 / Q4_1 groups of 32; a GGUF is dequantized first)."""
+    quantization: auto keeps a GGUF's block formats (and an HF GPTQ / AWQ checkpoint's, repacked); none
+    dequantizes them to float32 at load; int8 / int4 quantize float matrices at load (Q8_0 / Q4_1 groups
+    of 32; a GGUF is dequantized first)."""
     if quantization not in ("auto", "none", *FORMATS):
         raise ValueError(f"unknown quantization {quantization!r}")
     start = time.perf_counter()
@@ -44,6 +47,12 @@ def load_model_files(model: str | None = "default", quantization: str = "auto") 
     if source.is_dir():
         files = ModelFiles(load_hf_config(source), load_hf_weights(source), source, source.name, source)
         how = "Hugging Face folder"
+        qconfig = quantization_method(json.loads((source / "config.json").read_text(encoding="utf-8")))
+        if qconfig is not None:
+            # GPTQ / AWQ integers repacked into Q4_0 / Q4_1 blocks (auto, int8, int4), or dequantized (none).
+            keep = quantization != "none"
+            files.weights = convert_quantized_checkpoint(files.weights, qconfig, keep_quantized=keep)
+            how += f", {qconfig['quant_method']} 4-bit " + ("kept quantized" if keep else "dequantized to float32")
     else:
         converted = load_gguf_cached(source, quantized=quantization == "auto")
         files = ModelFiles(converted.config, converted.weights, converted.folder, source.stem, source)
