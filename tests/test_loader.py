@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from titan.config import ModelConfig
+from titan.kernels import QuantizedTensor, weights_equal
 from titan.loader import ModelFiles, ModelNotFoundError, load_model_files, resolve_model_path
 from titan.loader.cache import WEIGHTS_FILE, cache_folder_for
 
@@ -188,6 +189,10 @@ def test_bf16_folder_keeps_its_dtype(tmp_path: Path):
 # --- The GGUF cache ---
 
 
+def dequantized(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
 def test_cache_key_follows_file_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "m.gguf"
@@ -214,6 +219,12 @@ def first_load(cache_dir: Path) -> ModelFiles:
     return load_model_files()
 
 
+@pytest.fixture(scope="module")
+def float_load(first_load: ModelFiles) -> ModelFiles:
+    """--quantization none: the same cached bytes, dequantized to float32 at load."""
+    return load_model_files(quantization="none")
+
+
 def test_first_load_converts_into_cache(first_load: ModelFiles, cache_dir: Path):
     files = first_load
     assert files.name == DEFAULT_NAME and files.source == resolve_model_path(None)
@@ -238,9 +249,13 @@ def test_first_load_converts_into_cache(first_load: ModelFiles, cache_dir: Path)
         tie_word_embeddings=True,
     )
     assert len(files.weights) == 2 + 30 * 9 and "lm_head.weight" not in files.weights
-    assert all(
-        tensor.dtype == torch.float32 and tensor.device.type == "cpu" for tensor in files.weights.values()
-    )
+    # The default keeps GGUF's formats: Q4_1 projections, a Q8_0 (tied) embedding, float32 norms.
+    kinds = {name: tensor.type_name if isinstance(tensor, QuantizedTensor) else str(tensor.dtype)
+             for name, tensor in files.weights.items()}
+    assert kinds["model.embed_tokens.weight"] == "Q8_0"
+    assert {kinds[n] for n in kinds if n.endswith("proj.weight")} == {"Q4_1"}
+    assert {kinds[n] for n in kinds if n.endswith("norm.weight")} == {"torch.float32"}
+    assert sum(t.nbytes for t in files.weights.values() if isinstance(t, QuantizedTensor)) < 100 * 2**20
 
 
 def test_second_load_is_a_cache_hit_with_identical_tensors(
@@ -252,13 +267,13 @@ def test_second_load_is_a_cache_hit_with_identical_tensors(
     assert again.config == first_load.config and again.folder == first_load.folder
     assert again.weights.keys() == first_load.weights.keys()
     for name, tensor in first_load.weights.items():
-        assert torch.equal(again.weights[name], tensor), name
+        assert weights_equal(again.weights[name], tensor), name
 
 
 # --- The default GGUF against transformers ---
 
 
-def test_default_gguf_matches_transformers_loader(first_load: ModelFiles):
+def test_default_gguf_matches_transformers_loader(first_load: ModelFiles, float_load: ModelFiles):
     # transformers' own GGUF loader (dequantize + reverse q/k permutation). A 2-layer skeleton keeps its
     # name map cheap; tensors of later layers are then skipped, so we compare embeddings, norm and 2 layers.
     with torch.device("meta"):
@@ -267,7 +282,8 @@ def test_default_gguf_matches_transformers_loader(first_load: ModelFiles):
     reference = parsed["tensors"]
     assert len(reference) == 2 + 2 * 9
     for name, tensor in reference.items():
-        assert torch.equal(first_load.weights[name], tensor), name
+        assert torch.equal(float_load.weights[name], tensor), name
+        assert torch.equal(dequantized(first_load.weights[name]), tensor), name
     # transformers keeps GGUF's float32 epsilon as 9.99999974e-06; we keep its shortest spelling, 1e-05.
     hf_config = {**parsed["config"], "architectures": ["LlamaForCausalLM"]}
     reference_config = ModelConfig.from_hf_config(hf_config)
@@ -279,7 +295,7 @@ def test_default_gguf_matches_transformers_loader(first_load: ModelFiles):
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_transformers_loader_all_layers(first_load: ModelFiles):
+def test_default_gguf_matches_transformers_loader_all_layers(first_load: ModelFiles, float_load: ModelFiles):
     # The full name map makes transformers' loader take ~12 s; from_pretrained(gguf_file=...) runs this same
     # loader but also needs `accelerate`, which the project does not install.
     with torch.device("meta"):
@@ -289,4 +305,5 @@ def test_default_gguf_matches_transformers_loader_all_layers(first_load: ModelFi
     ]
     assert reference.keys() == first_load.weights.keys()
     for name, tensor in reference.items():
-        assert torch.equal(first_load.weights[name], tensor), name
+        assert torch.equal(float_load.weights[name], tensor), name
+        assert torch.equal(dequantized(first_load.weights[name]), tensor), name

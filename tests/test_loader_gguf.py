@@ -22,8 +22,9 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from titan.config import ModelConfig
+from titan.kernels import weights_equal
 from titan.loader import load_model_files
-from titan.loader.cache import _convert_atomically, cache_folder_for, load_gguf_cached
+from titan.loader.cache import _convert_atomically, cache_folder_for, dequantize_state_dict, load_gguf_cached
 from titan.loader.gguf_rope import llama3_rope_scaling_from_factors
 from titan.loader.gguf_weights import load_gguf
 
@@ -476,7 +477,7 @@ def test_gguf_cache_miss_then_hit(tiny_gguf: tuple[Path, dict[str, torch.Tensor]
 
     assert second.folder == folder and second.config == first.config
     for name, tensor in first.weights.items():
-        assert torch.equal(second.weights[name], tensor), name
+        assert weights_equal(second.weights[name], tensor), name
     assert load_gguf_cached(path).cache_hit
 
 
@@ -497,7 +498,7 @@ def test_cached_path_does_not_read_the_gguf(tiny_gguf: tuple[Path, dict[str, tor
 
     assert again.folder == first.folder
     for name, tensor in first.weights.items():
-        assert torch.equal(again.weights[name], tensor), name
+        assert weights_equal(again.weights[name], tensor), name
     assert torch.equal(again.weights["model.norm.weight"], original["model.norm.weight"])
 
 
@@ -510,7 +511,7 @@ def test_losing_a_conversion_race_is_tolerated(tiny_gguf: tuple[Path, dict[str, 
     assert config == winner.config
     assert (winner.folder / "model.safetensors").stat().st_mtime_ns == before  # the winner's files stay
     assert not [entry for entry in winner.folder.parent.iterdir() if entry.name.startswith(".")]
-    for name, tensor in weights.items():
+    for name, tensor in dequantize_state_dict(weights).items():
         assert torch.equal(winner.weights[name], tensor), name
 
 

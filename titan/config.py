@@ -195,6 +195,9 @@ class AdmissionConfig:
             raise ValueError("degrade_batch_max_tokens must be at least 1")
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; `model` is 'default', a GGUF file or an HF folder."""
@@ -211,8 +214,19 @@ class EngineConfig:
     slow_request_ms: float = option(
         5000.0, "log the timeline of requests whose first token or longest token gap took longer (0: off)")
     grammar_cache_size: int = option(64, "compiled structured-output grammars kept for reuse")
+    quantization: str = option(
+        "auto", "auto: a GGUF keeps its block formats (quantized kernels), an HF checkpoint its own GPTQ/AWQ "
+                "config; none: dequantize to float at load; int8 / int4: quantize float weights at load",
+        choices=QUANTIZATION_CHOICES)
+    threads: int | None = option(None, "compute threads for this process (default: the physical cores it may use); "
+                                       "split the cores between replicas on one host")
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            choices = ", ".join(QUANTIZATION_CHOICES)
+            raise ValueError(f"quantization must be one of {choices}, not {self.quantization!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be at least 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

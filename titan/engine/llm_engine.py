@@ -23,6 +23,7 @@ from titan.engine.scheduler import Scheduler
 from titan.engine.sequence import Sequence, SequenceStatus
 from titan.engine.step_observer import StepDone, StepObserver, StepRecord
 from titan.engine.structured import GrammarCompiler
+from titan.kernels.threads import configure_threads
 from titan.loader import load_model_files
 from titan.tokenizer import Tokenizer
 
@@ -94,7 +95,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        files = load_model_files(config.model)
+        configure_threads(config.threads)
+        files = load_model_files(config.model, config.quantization)
         self.model_name = files.name
         self.model_config = files.config
         self.tokenizer = Tokenizer.from_folder(files.folder)

@@ -1,4 +1,4 @@
-"""Read a GGUF file into a `ModelConfig` and an HF-named float32 state dict."""
+"""Read a GGUF file into a `ModelConfig` and an HF-named state dict (quantized or float32)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from titan.config import ModelConfig
+from titan.kernels import SUPPORTED_TYPES, QuantizedTensor
 from titan.loader.gguf_rope import llama3_rope_scaling_from_factors, rope_scaling_from_metadata
 
 # llama.cpp writes Mistral checkpoints with the "llama" architecture too.
@@ -104,13 +105,30 @@ def read_gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
 
 def read_gguf_state_dict(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to float32 under its HF name, undoing llama.cpp's q/k row permutation."""
+    return _read_state_dict(reader, config, quantized=False)  # type: ignore[return-value]
+
+
+def read_gguf_quantized_state_dict(
+    reader: gguf.GGUFReader, config: ModelConfig
+) -> dict[str, torch.Tensor | QuantizedTensor]:
+    """As `read_gguf_state_dict`, but matrices of a kernel-supported GGML type stay `QuantizedTensor`
+    (their raw block bytes; the q/k permutation moves whole rows, so it applies to the bytes as well).
+    Vectors, float32 matrices and types the kernels lack come back as float32 tensors."""
+    return _read_state_dict(reader, config, quantized=True)
+
+
+def _read_state_dict(
+    reader: gguf.GGUFReader, config: ModelConfig, quantized: bool
+) -> dict[str, torch.Tensor | QuantizedTensor]:
     arch = reader.fields["general.architecture"].contents()
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | QuantizedTensor] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # folded into config.rope_scaling
         name = hf_tensor_name(tensor.name)
-        weight = dequantize_tensor(tensor)
+        keep = quantized and len(tensor.shape) == 2 and tensor.tensor_type in SUPPORTED_TYPES
+        keep = keep and tensor.tensor_type != gguf.GGMLQuantizationType.F32
+        weight = QuantizedTensor.from_gguf(tensor) if keep else dequantize_tensor(tensor)
         if arch in _PERMUTED_ARCHITECTURES:
             if ".self_attn.q_proj." in name:
                 weight = unpermute_rope_rows(weight, config.num_attention_heads)
@@ -143,8 +161,10 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(weight: torch.Tensor | QuantizedTensor, num_heads: int) -> torch.Tensor | QuantizedTensor:
     """Undo llama.cpp's per-head row interleave: GGML rope pairs rows (2j, 2j+1), HF pairs (j, j+d/2)."""
+    if isinstance(weight, QuantizedTensor):
+        return weight.with_rows(unpermute_rope_rows(weight.data, num_heads))
     rows = weight.shape[0]
     head_dim = rows // num_heads
     return (

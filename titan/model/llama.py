@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from titan.config import ModelConfig
+from titan.kernels import QuantizedTensor, cat_rows
 from titan.model.attention import AttentionMetadata, paged_attention
-from titan.model.layers import Linear, RMSNorm, silu_and_mul
+from titan.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
 from titan.model.rope import RotaryEmbedding, apply_rotary
 
 Device = torch.device | str | None
@@ -108,12 +109,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=dtype),
-            _freeze=True,
-        )
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, device, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
@@ -149,10 +145,13 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> float32 logits [N, vocab]; call it only on rows that sample."""
         return self.lm_head(hidden_rows).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up; raises on missing, unexpected or misshaped."""
+    def load_weights(self, weights: dict[str, torch.Tensor | QuantizedTensor]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up; raises on missing, unexpected or misshaped.
+
+        `QuantizedTensor` matrices stay in their GGML format (the tied lm_head shares the embedding's);
+        anything else is copied in as a float parameter."""
         params = dict(self.named_parameters())
-        shards: dict[str, dict[int, torch.Tensor]] = {}
+        shards: dict[str, dict[int, torch.Tensor | QuantizedTensor]] = {}
         unexpected: list[str] = []
         for name, tensor in weights.items():
             if name.endswith("rotary_emb.inv_freq"):
@@ -174,12 +173,39 @@ class LlamaForCausalLM(nn.Module):
             if parts is None or len(parts) != expected_shards:
                 missing.append(target)
                 continue
-            tensor = parts[0] if expected_shards == 1 else torch.cat([parts[i] for i in range(expected_shards)])
+            ordered = [parts[i] for i in range(expected_shards)]
+            if any(isinstance(part, QuantizedTensor) for part in ordered):
+                if self._load_quantized(target, param, ordered):
+                    continue
+                ordered = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in ordered]
+            tensor = ordered[0] if expected_shards == 1 else torch.cat(ordered)
             if tensor.shape != param.shape:
                 raise ValueError(f"{target}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
             param.data = tensor.to(device=param.device, dtype=param.dtype).contiguous()
         if missing:
             raise ValueError(f"missing weights for: {', '.join(missing[:10])}")
+
+    def _load_quantized(self, target: str, param: nn.Parameter, parts: list) -> bool:
+        """Hand quantized parts to their Linear/Embedding; False if they must be dequantized instead
+        (mixed with float shards, not a projection matrix, or a device/dtype the kernels do not run on)."""
+        if param.device.type != "cpu" or param.dtype != torch.float32:
+            return False
+        if not all(isinstance(p, QuantizedTensor) for p in parts):
+            return False
+        module = self.get_submodule(target.rsplit(".", 1)[0])
+        if not target.endswith(".weight") or not isinstance(module, Linear | Embedding):
+            return False
+        shape = torch.Size((sum(p.rows for p in parts), parts[0].cols))
+        if shape != param.shape:
+            raise ValueError(f"{target}: expected shape {tuple(param.shape)}, got {tuple(shape)}")
+        if isinstance(module, Embedding):
+            module.load_quantized(parts[0])
+            if self.config.tie_word_embeddings:
+                self.lm_head.load_quantized(parts)
+            return True
+        fused = cat_rows(parts)
+        module.load_quantized([fused] if fused is not None else parts)
+        return True
 
     @staticmethod
     def _target_of(name: str) -> tuple[str, int]:

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from titan.engine.step_observer import StepRecord
+from titan.kernels import build as kernels
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
 from titan.server.completions import create_completion
@@ -113,7 +114,8 @@ def build_app(
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": titan_version()}
+        # quantized_kernels: native-avx512 | native-avx2 | native-generic | torch (fallback) | unused
+        return {"version": titan_version(), "quantized_kernels": kernels.status()}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,233 @@
+// Torch binding of the quantized kernels: runtime ISA selection, threading (torch's intra-op pool, so
+// torch.set_num_threads / --threads governs it) and the wide-step path (dequantized tiles into a GEMM).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+const KernelTable* g_table = nullptr;
+
+bool cpu_has_avx2() {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+bool cpu_has_avx512() {
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+const KernelTable* best_table() {
+    if (cpu_has_avx512()) return &kAvx512Table;
+    if (cpu_has_avx2()) return &kAvx2Table;
+    return &kGenericTable;
+}
+
+const KernelTable& table() {
+    if (g_table == nullptr) g_table = best_table();
+    return *g_table;
+}
+
+// "auto" picks the best the CPU supports; naming an ISA the CPU lacks is an error, never a crash later.
+std::string set_isa(const std::string& name) {
+    if (name == "auto") {
+        g_table = best_table();
+    } else if (name == "generic") {
+        g_table = &kGenericTable;
+    } else if (name == "avx2") {
+        TORCH_CHECK(cpu_has_avx2(), "this CPU lacks AVX2/FMA/F16C");
+        g_table = &kAvx2Table;
+    } else if (name == "avx512") {
+        TORCH_CHECK(cpu_has_avx512(), "this CPU lacks AVX-512 F/BW/VL/DQ");
+        g_table = &kAvx512Table;
+    } else {
+        TORCH_CHECK(false, "unknown ISA '", name, "' (auto, generic, avx2, avx512)");
+    }
+    return g_table->name;
+}
+
+std::string get_isa() { return table().name; }
+
+std::vector<std::string> cpu_features() {
+    std::vector<std::string> found;
+    if (__builtin_cpu_supports("avx2")) found.push_back("avx2");
+    if (__builtin_cpu_supports("fma")) found.push_back("fma");
+    if (__builtin_cpu_supports("avx512f")) found.push_back("avx512f");
+    if (__builtin_cpu_supports("avx512bw")) found.push_back("avx512bw");
+    if (__builtin_cpu_supports("avx512vnni")) found.push_back("avx512vnni");
+    if (__builtin_cpu_supports("avx512bf16")) found.push_back("avx512bf16");
+    if (__builtin_cpu_supports("amx-bf16")) found.push_back("amx-bf16");
+    if (__builtin_cpu_supports("avx512fp16")) found.push_back("avx512fp16");
+    return found;
+}
+
+void check_weight(const torch::Tensor& w, int64_t K) {
+    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+                "quantized weight must be a contiguous CPU uint8 [rows, row_bytes] tensor");
+    TORCH_CHECK(K > 0 && K % 32 == 0, "in_features must be a positive multiple of 32");
+}
+
+// Rows of output per task: enough work to amortize scheduling, enough tasks to balance the threads.
+int64_t grain_for(int64_t N) {
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    return std::max<int64_t>(8, N / (threads * 8));
+}
+
+bool g_int8_activations = false;  // opt-in: see titan/kernels/build.py
+
+bool set_int8_activations(bool enabled) {
+    g_int8_activations = enabled;
+    return g_int8_activations;
+}
+
+// Rows of x to int8 per block of 32 (scale = max |x| / 127, round to nearest), with each block's scale
+// and scale * sum of its quantized values (the term a Q4_1 minimum multiplies).
+void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+    const int64_t blocks = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const float* v = x + m * ldx + blk * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            int8_t* q = xq + m * K + blk * 32;
+            for (int i = 0; i < 32; i++) {
+                q[i] = (int8_t)std::nearbyint(v[i] * inv);
+                sum += q[i];
+            }
+            xd[m * blocks + blk] = d;
+            xs[m * blocks + blk] = d * (float)sum;
+        }
+    }
+}
+
+// x [M, K] float32 times weight [N, K]^T -> [M, N]; every weight byte read from memory once.
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K) {
+    check_weight(w, K);
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1,
+                "x must be float32 [M, in_features] with unit inner stride");
+    const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+    auto y = torch::empty({M, N}, x.options());
+    const KernelTable& t = table();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t ldx = x.stride(0);
+    if (g_int8_activations && t.gemv_q8 != nullptr && (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0)) {
+        std::vector<int8_t> xq(M * K);
+        std::vector<float> xd(M * (K / 32)), xs(M * (K / 32));
+        quantize_activations(xp, ldx, M, K, xq.data(), xd.data(), xs.data());
+        at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
+            t.gemv_q8((int32_t)type, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1);
+        });
+        return y;
+    }
+    at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
+        t.gemv((int32_t)type, wp, row_bytes, K, xp, ldx, M, yp, N, n0, n1);
+    });
+    return y;
+}
+
+// The whole weight (rows == None) or the given rows, dequantized to float32 [rows, K].
+torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const c10::optional<torch::Tensor>& rows) {
+    check_weight(w, K);
+    const int64_t row_bytes = w.size(1);
+    const int64_t* rp = nullptr;
+    torch::Tensor ids;
+    int64_t count = w.size(0);
+    if (rows.has_value()) {
+        ids = rows->to(torch::kInt64).contiguous();
+        TORCH_CHECK(ids.dim() == 1, "rows must be 1-D");
+        count = ids.size(0);
+        if (count > 0) {
+            TORCH_CHECK(ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < w.size(0), "row index out of range");
+        }
+        rp = ids.data_ptr<int64_t>();
+    }
+    auto out = torch::empty({count, K}, torch::dtype(torch::kFloat32));
+    const KernelTable& t = table();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, count, grain_for(count), [&](int64_t i0, int64_t i1) {
+        t.dequant((int32_t)type, wp, row_bytes, K, rp, i0, i1, op + i0 * K);
+    });
+    return out;
+}
+
+// Wide steps: dequantize `tile_rows` weight rows at a time (kept cache-sized) and multiply them with x in
+// one GEMM per tile, in float32 or, where the caller chose it, bfloat16.
+torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K, int64_t tile_rows,
+                   bool use_bf16) {
+    check_weight(w, K);
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [M, in_features]");
+    const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
+    auto y = torch::empty({M, N}, x.options());
+    const KernelTable& t = table();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    tile_rows = std::max<int64_t>(1, std::min(tile_rows, N));
+    auto tile = torch::empty({tile_rows, K}, torch::dtype(torch::kFloat32));
+    const torch::Tensor xin = use_bf16 ? x.to(torch::kBFloat16) : x.contiguous();
+    for (int64_t n0 = 0; n0 < N; n0 += tile_rows) {
+        const int64_t rows = std::min(tile_rows, N - n0);
+        float* tp = tile.data_ptr<float>();
+        at::parallel_for(0, rows, grain_for(rows), [&](int64_t i0, int64_t i1) {
+            t.dequant((int32_t)type, wp + n0 * row_bytes, row_bytes, K, nullptr, i0, i1, tp + i0 * K);
+        });
+        auto wt = tile.narrow(0, 0, rows);
+        auto part = use_bf16 ? at::mm(xin, wt.to(torch::kBFloat16).t()).to(torch::kFloat32) : at::mm(xin, wt.t());
+        y.narrow(1, n0, rows).copy_(part);
+    }
+    return y;
+}
+
+// RMSNorm of float32 rows: at decode sizes (one row of ~1k floats) torch's composite op spends ~30 us in
+// dispatch and thread wake-ups for ~1 us of arithmetic. Sums of squares accumulate in double.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32 && x.is_contiguous() &&
+                    weight.is_contiguous() && x.size(-1) == weight.numel(),
+                "rms_norm takes contiguous float32 x [..., H] and weight [H]");
+    const int64_t H = weight.numel(), rows = x.numel() / std::max<int64_t>(H, 1);
+    auto out = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* wp = weight.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    auto body = [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++) {
+            const float* row = xp + r * H;
+            double squares = 0.0;
+            for (int64_t i = 0; i < H; i++) squares += (double)row[i] * row[i];
+            const float scale = (float)(1.0 / std::sqrt(squares / H + eps));
+            for (int64_t i = 0; i < H; i++) op[r * H + i] = row[i] * scale * wp[i];
+        }
+    };
+    if (rows < 64) {
+        body(0, rows);  // not worth waking the thread pool
+    } else {
+        at::parallel_for(0, rows, 16, body);
+    }
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("set_isa", &set_isa, "select the kernel ISA: auto | generic | avx2 | avx512");
+    m.def("get_isa", &get_isa, "the kernel ISA in use");
+    m.def("cpu_features", &cpu_features, "SIMD features this CPU reports");
+    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)");
+    m.def("dequantize", &dequantize, "dequantize all or some rows to float32", py::arg("w"), py::arg("type"),
+          py::arg("K"), py::arg("rows") = py::none());
+    m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps");
+    m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
+    m.def("set_int8_activations", &set_int8_activations,
+          "narrow Q4_0/Q4_1/Q8_0 steps: quantize activations to int8 per block (integer dot products)");
+    m.attr("max_fused_rows") = kMaxFusedRows;
+}

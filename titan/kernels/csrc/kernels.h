@@ -1,0 +1,36 @@
+// Plain-C interface between the torch binding and the per-ISA kernel translation units.
+// The ISA units include no torch headers, so each compiles in a second and can carry its own
+// `#pragma GCC target` without touching code that runs on every CPU.
+#pragma once
+#include <cstdint>
+
+#include <immintrin.h>
+
+// GGML type ids (ggml.h numbering, as written in GGUF files).
+enum GgmlType : int32_t {
+    GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8,
+    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30,
+};
+
+// Activation rows the fused kernel multiplies per pass over a weight row (more rows: several passes,
+// over a row that is by then in L1).
+constexpr int kMaxFusedRows = 8;
+
+struct KernelTable {
+    const char* name;
+    // y[m * ldy + n] = dot(x[m * ldx .. + K], row n of w) for m < M n in [n0, n1).
+    void (*gemv)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t ldx,
+                 int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
+    // As gemv for Q4_0 / Q4_1 / Q8_0 with activations quantized to int8 per block of 32 (llama.cpp's
+    // Q8 scheme): xq [M, K] int8, xd [M, K/32] block scales, xs [M, K/32] scale * sum of the block's xq.
+    // Integer dot products; nullptr where the ISA has no such kernel (generic).
+    void (*gemv_q8)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int8_t* xq,
+                    const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
+    // out[(i - i0) * K ..] = row (rows ? rows[i] : i) of w dequantized, for i in [i0, i1).
+    void (*dequant)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows,
+                    int64_t i0, int64_t i1, float* out);
+};
+
+extern const KernelTable kGenericTable;
+extern const KernelTable kAvx2Table;
+extern const KernelTable kAvx512Table;
