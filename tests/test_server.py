@@ -495,3 +495,24 @@ def test_debug_steps_and_priority_header(server: ServerProcess, model_name: str)
     assert steps[-1]["num_decodes"] == 1  # the last step decoded the final token of the last request
     # Warm-up ends with one full collection before the collector is frozen: it is measured.
     assert scrape(server)["titan:gc_pause_seconds_count{generation=2}"] >= 1
+
+
+def test_openapi_declares_request_bodies_and_error_responses(server: ServerProcess) -> None:
+    document = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    schemas = document["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        post = document["paths"][path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + model)
+        assert {"400", "401", "429", "503"} <= set(post["responses"])
+    assert "prompt" in schemas["CompletionRequest"]["properties"]
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+
+    def refs(node: object) -> list[str]:
+        if isinstance(node, dict):
+            return [node["$ref"]] if "$ref" in node else [r for value in node.values() for r in refs(value)]
+        return [r for value in node for r in refs(value)] if isinstance(node, list) else []
+
+    assert all(ref.rsplit("/", 1)[1] in schemas for ref in refs(document))  # every reference resolves
+    docs = httpx.get(server.url + "/docs", timeout=30)
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()

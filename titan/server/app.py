@@ -32,6 +32,7 @@ from titan.server.completions import create_completion
 from titan.server.errors import bad_request, install_error_handlers, validation_error
 from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.server.middleware import APIKeyCheck, BodySizeLimit
+from titan.server.openapi import ERROR_RESPONSES, install_openapi, json_body
 from titan.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -95,7 +96,7 @@ def build_app(
         yield
         await engine.stop()
 
-    app = FastAPI(title="Titan", version=titan_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="Titan", version=titan_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
 
@@ -141,7 +142,7 @@ def build_app(
                 "root": loaded.model_name, "max_model_len": loaded.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=ERROR_RESPONSES)
     async def tokenize_route(request: Request) -> dict[str, object]:
         body = await parse_body(request, TokenizeRequest)
         info = state.serving_info()
@@ -160,7 +161,7 @@ def build_app(
         strings = [info.tokenizer.id_to_token(t) or "" for t in tokens] if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens, "token_strs": strings}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=ERROR_RESPONSES)
     async def detokenize_route(request: Request) -> dict[str, object]:
         body = await parse_body(request, DetokenizeRequest)
         info = state.serving_info()
@@ -177,14 +178,15 @@ def build_app(
         finally:
             state.handling -= 1
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=ERROR_RESPONSES)
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest, create_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=ERROR_RESPONSES)
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, create_chat_completion)
 
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key, protect_metrics=metrics_require_key)
