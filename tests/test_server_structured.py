@@ -123,8 +123,8 @@ def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProces
 
 
 @pytest.mark.parametrize(("route", "field", "value"), [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/completions", "suffix", " and then"),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "use_beam_search", True),
@@ -187,3 +187,86 @@ def test_vllm_prompt_logprobs_field_and_streaming_refusal(server: ServerProcess)
     streamed = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "echo": True, "logprobs": 1,
                                                                 "stream": True, "max_tokens": 2}, timeout=120)
     assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "unsupported_parameter"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                   "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_calls(calls: list) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_and_named_always_parse(client: openai.OpenAI) -> None:
+    # Parallel calls: a JSON array of at most 8 calls, so even a model that repeats itself closes it.
+    required = client.chat.completions.create(model=None, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
+                                              max_tokens=400, temperature=0)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message.tool_calls)
+    named = client.chat.completions.create(model=None, messages=WEATHER_ASK, tools=TOOLS, max_tokens=80, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = named.choices[0].message.tool_calls
+    check_calls(calls)
+    assert [call.function.name for call in calls] == ["get_time"]
+    single = client.chat.completions.create(model=None, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=120, temperature=0.9, seed=2)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_streamed_tool_calls_arrive_in_openai_chunks(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=None, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=120, temperature=0, stream=True)
+    names, arguments, reasons = {}, {}, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                if delta.function.name:
+                    names[delta.index] = delta.function.name
+                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert reasons[-1] == "tool_calls" and names
+    for index, name in names.items():
+        jsonschema.validate(json.loads(arguments[index]), SCHEMAS[name])
+
+
+def test_auto_and_a_multi_turn_conversation_with_a_tool_result(client: openai.OpenAI) -> None:
+    auto = client.chat.completions.create(model=None, messages=WEATHER_ASK, tools=TOOLS, max_tokens=60, temperature=0)
+    message = auto.choices[0].message
+    if message.tool_calls:  # whatever the model chose, the response is consistent with it
+        assert auto.choices[0].finish_reason == "tool_calls"
+        for call in message.tool_calls:
+            json.loads(call.function.arguments)
+    else:
+        assert auto.choices[0].finish_reason in ("stop", "length") and message.content
+    history = [*WEATHER_ASK,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    answer = client.chat.completions.create(model=None, messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=24, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_tool_choice_errors(server: ServerProcess) -> None:
+    url = server.url + "/v1/chat/completions"
+    cases = [({"tool_choice": "required"}, "tool_choice"),
+             ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+             ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "tool_choice")]
+    for extra, param in cases:
+        response = httpx.post(url, json={"messages": WEATHER_ASK, "max_tokens": 4, **extra}, timeout=120)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -86,9 +86,10 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     metrics_require_key: bool = False,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread (load + warm-up run in it) and stops it."""
-    state = ServerState(engine, served_model_name, max_sequences_per_request)
+    state = ServerState(engine, served_model_name, max_sequences_per_request, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

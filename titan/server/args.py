@@ -9,6 +9,7 @@ from titan.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    TOOL_CALL_PARSERS,
 )
 
 
@@ -33,6 +34,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="larger request headers (all together) get 431")
     group.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                        help="a request may fan out into at most this many engine sequences (prompts × n); more: 400")
+    group.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                       help="how tool_choice auto reads tool calls from the model's output: hermes "
+                            "(<tool_call>{json}</tool_call>, also the fallback prompt's format) or llama3_json")
     group.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                        help="drive the largest step shapes once before reporting ready")
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from fastapi import Request
@@ -15,10 +16,11 @@ from titan.server.errors import bad_request
 from titan.server.generation import GenerationRoute, Prepared, handle_generation
 from titan.server.protocol import ChatCompletionRequest, check_context
 from titan.server.serving import INLINE_TOKENIZE_CHARS, Choice, ServerState, TokenTexts, prompt_logprobs_field
+from titan.server.tools import constraint_for, parse_tool_calls, render_conversation, template_knows_tools
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
-    return await handle_generation(state, ChatRoute(body), request)
+    return await handle_generation(state, ChatRoute(body, state.tool_call_parser), request)
 
 
 class ChatRoute(GenerationRoute):
@@ -26,6 +28,12 @@ class ChatRoute(GenerationRoute):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     body: ChatCompletionRequest
+
+    def __init__(self, body: ChatCompletionRequest, tool_call_parser: str) -> None:
+        super().__init__(body)
+        self.tool_call_parser = tool_call_parser
+        self.tools = body.tool_dicts()  # None: no tool calling in this request
+        self.tool_choice = body.effective_tool_choice
 
     def num_sequences(self) -> int:
         return self.body.n
@@ -35,27 +43,51 @@ class ChatRoute(GenerationRoute):
 
     async def prepare(self, info: EngineInfo) -> Prepared:
         body = self.body
-        self.tokenizer = info.tokenizer
-        messages = body.template_messages()
-        tokenizer = info.tokenizer
+        self.tokenizer = tokenizer = info.tokenizer
+        native = template_knows_tools(tokenizer.chat_template)
+        messages = render_conversation(body.template_messages(), self.tools, native)
+
+        def encode() -> list[int]:
+            if native and self.tools:
+                return tokenizer.encode(tokenizer.apply_chat_template(messages, True, tools=self.tools))
+            return tokenizer.encode_chat(messages)
+
         try:
-            if sum(len(message["content"]) for message in messages) <= INLINE_TOKENIZE_CHARS:
-                token_ids = tokenizer.encode_chat(messages)
+            if sum(len(message.get("content") or "") for message in messages) <= INLINE_TOKENIZE_CHARS:
+                token_ids = encode()
             else:
-                token_ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
+                token_ids = await asyncio.to_thread(encode)
         except ValueError as error:  # no template, or the template rejected the conversation
             raise bad_request(f"Cannot apply the chat template: {error}", param="messages") from error
         max_tokens = check_context(len(token_ids), body.requested_max_tokens, info.max_model_len, "messages")
-        choices = [Choice(sample, 0, token_ids,
-                          body.sampling_params(max_tokens, body.num_logprobs, sample, info.vocab_size))
-                   for sample in range(body.n)]
+        tool_constraint = constraint_for(self.tools, self.tool_choice, body.parallel_tool_calls) if self.tools else None
+        choices = []
+        for sample in range(body.n):
+            params = body.sampling_params(max_tokens, body.num_logprobs, sample, info.vocab_size)
+            if tool_constraint is not None:
+                if params.structured_outputs is not None:
+                    raise bad_request("tool_choice required or named cannot be combined with another output "
+                                      "constraint", param="tool_choice")
+                params = dataclasses.replace(params, structured_outputs=tool_constraint)
+            choices.append(Choice(sample, 0, token_ids, params))
         return Prepared(choices, len(token_ids))
+
+    def _message(self, output: RequestOutput) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished choice and its finish reason (tool calls parsed out)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": output.text}, output.finish_reason
+        content, calls = parse_tool_calls(output.text, self.tool_choice, self.tool_call_parser)
+        if not calls:
+            return {"role": "assistant", "content": content}, output.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def opening(self, prepared: Prepared) -> list[dict[str, Any]]:
         return [{"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for choice in prepared.choices]
 
     def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
+        if self.tools is not None:
+            return None  # a tool call is only known whole: it goes out with the finishing chunk
         entries = output.new_logprobs if self.texts is not None else None
         if not output.new_text and not entries:
             return None
@@ -66,14 +98,21 @@ class ChatRoute(GenerationRoute):
                 "finish_reason": None}
 
     def finish(self, output: RequestOutput) -> dict[str, Any]:
-        return {"delta": {}, "logprobs": None, "finish_reason": output.finish_reason}
+        if self.tools is None:
+            return {"delta": {}, "logprobs": None, "finish_reason": output.finish_reason}
+        message, reason = self._message(output)
+        delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
+        return {"delta": delta, "logprobs": None, "finish_reason": reason}
 
     def whole(self, choice: Choice, output: RequestOutput) -> dict[str, Any]:
         logprobs = None
         if self.texts is not None:
             logprobs = {"content": chat_logprobs(self.texts, output.logprobs or []), "refusal": None}
-        return {"index": choice.index, "message": {"role": "assistant", "content": output.text},
-                "logprobs": logprobs, "finish_reason": output.finish_reason} | prompt_logprobs_field(
+        message, reason = self._message(output)
+        return {"index": choice.index, "message": message,
+                "logprobs": logprobs, "finish_reason": reason} | prompt_logprobs_field(
             self.texts or TokenTexts(self.tokenizer), self.body.prompt_logprobs, output)
 
 

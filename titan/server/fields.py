@@ -27,9 +27,7 @@ def _truthy(value: Any) -> bool:
 
 # field → does this value ask for something Titan does not do?
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "tools": _truthy,
-    "functions": _truthy,
-    "tool_choice": lambda value: value not in (None, "none"),
+    "functions": _truthy,  # the legacy form of tools
     "function_call": lambda value: value not in (None, "none"),
     "suffix": _truthy,  # no fill-in-the-middle
     "best_of": lambda value: value not in (None, 1),
@@ -47,7 +45,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "truncate_prompt_tokens": _given,
 }
 # Known fields that change nothing Titan computes: accepted without a word.
-INFORMATIONAL_FIELDS = frozenset({"metadata", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
+INFORMATIONAL_FIELDS = frozenset({"metadata", "service_tier", "guided_decoding_backend",
                                   "guided_whitespace_pattern", "request_id", "add_generation_prompt",
                                   "continue_final_message", "add_special_tokens", "documents",
                                   "chat_template_kwargs", "spaces_between_special_tokens"})

@@ -8,3 +8,5 @@ DEFAULT_DRAIN_TIMEOUT_SECONDS = 25.0
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 # Request headers above this (all together) get 431; uvicorn's own default is 16 KiB.
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+# Tool-call formats `tool_choice: auto` can parse (titan/server/tools.py).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")

@@ -162,7 +162,7 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     engine = AsyncEngine(lambda: LLMEngine(config), warmup=args.warmup)
     app = build_app(engine, args.served_model_name, api_key, args.max_request_body_bytes,
-                    args.max_sequences_per_request, args.metrics_require_key)
+                    args.max_sequences_per_request, args.metrics_require_key, args.tool_call_parser)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_CLOSE_SECONDS, lifespan="on",
