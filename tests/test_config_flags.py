@@ -61,3 +61,29 @@ def test_a_bad_flag_value_is_a_usage_error_not_a_traceback(flags: list[str], mes
     assert result.returncode == 2
     assert message in result.stderr and "usage:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_conventions_version_positional_model_defaults_in_help(tmp_path) -> None:
+    from titan.entrypoints.cli import parse_args
+
+    version = subprocess.run([sys.executable, "-m", "titan.entrypoints.cli", "--version"], capture_output=True,
+                             text=True, cwd=REPO_ROOT, timeout=120)
+    assert version.returncode == 0 and version.stdout.startswith("titan ")
+    assert parse_args(["serve", "my-model.gguf"]).engine_config.model == "my-model.gguf"  # as `vllm serve MODEL`
+    assert parse_args(["serve", "--model", "other.gguf"]).engine_config.model == "other.gguf"
+    help_text = subprocess.run([sys.executable, "-m", "titan.entrypoints.cli", "serve", "--help"],
+                               capture_output=True, text=True, cwd=REPO_ROOT, timeout=120).stdout
+    help_text = " ".join(help_text.split())  # argparse wraps to the terminal's width
+    assert "(default: 512)" in help_text and "(default: hermes)" in help_text
+    with pytest.raises(ValueError, match="chat_template"):
+        EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_chat_template_flag_replaces_the_models_template(tmp_path) -> None:
+    from titan import LLM
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
+    llm = LLM("default", chat_template=str(template), kv_cache_memory=0.05)
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "[user] hi\n[assistant] "

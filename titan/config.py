@@ -5,6 +5,7 @@ derives the command-line flags and `LLM(...)` keyword arguments from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -214,6 +215,7 @@ class EngineConfig:
     slow_request_ms: float = option(
         5000.0, "log the timeline of requests whose first token or longest token gap took longer (0: off)")
     grammar_cache_size: int = option(64, "compiled structured-output grammars kept for reuse")
+    chat_template: str | None = option(None, "a Jinja chat template file used instead of the model's own")
     quantization: str = option(
         "auto", "auto: a GGUF keeps its block formats (quantized kernels), an HF checkpoint its own GPTQ/AWQ "
                 "config; none: dequantize to float at load; int8 / int4: quantize float weights at load",
@@ -233,6 +235,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if self.grammar_cache_size < 1:
             raise ValueError("grammar_cache_size must be at least 1")
         if self.slow_request_ms < 0:

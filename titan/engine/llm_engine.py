@@ -7,6 +7,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -100,6 +101,8 @@ class LLMEngine:
         self.model_name = files.name
         self.model_config = files.config
         self.tokenizer = Tokenizer.from_folder(files.folder)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = Path(config.chat_template).read_text()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
         self.max_model_len = config.max_model_len or files.config.max_position_embeddings
         block_size = config.cache.block_size

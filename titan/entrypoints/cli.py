@@ -10,6 +10,7 @@ import time
 
 from titan.config_flags import add_engine_arguments, engine_config_from_args
 from titan.server.args import add_server_arguments
+from titan.version import titan_version
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,15 +68,20 @@ def serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="titan", description="Titan LLM inference server")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"titan {titan_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text offline (no server)")
+    # Every engine and server flag shows its default in --help.
+    defaults_shown = argparse.ArgumentDefaultsHelpFormatter
+    gen = commands.add_parser("generate", help="generate text offline (no server)", formatter_class=defaults_shown)
     gen.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per output line")
     add_engine_arguments(gen)
     add_sampling_arguments(gen)
     gen.set_defaults(handler=generate)
-    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=defaults_shown)
+    # `titan serve MODEL`, as `vllm serve MODEL`; --model still works.
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (same as --model)")
     add_engine_arguments(srv)
     add_server_arguments(srv)
     srv.set_defaults(handler=serve)
@@ -91,14 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed and validated: engine commands carry their typed `engine_config` (a bad value exits 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
     if args.command in ("generate", "serve"):
         try:  # the config validates every value: a bad one is a usage error, not a traceback
             args.engine_config = engine_config_from_args(args)
         except ValueError as error:
             parser.error(str(error))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return args.handler(args)
 

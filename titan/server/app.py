@@ -11,7 +11,6 @@ Endpoints:
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -42,6 +41,7 @@ from titan.server.protocol import (
     check_token_ids,
 )
 from titan.server.serving import ServerState, tokenize
+from titan.version import titan_version
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -53,13 +53,6 @@ async def parse_body(request: Request, schema: type[Body]) -> Body:
         return schema.model_validate_json(raw)
     except ValidationError as error:
         raise validation_error(error.errors()) from error
-
-
-def titan_version() -> str:
-    try:
-        return importlib.metadata.version("titan")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def readiness(state: ServerState) -> str:

@@ -39,5 +39,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                             "(<tool_call>{json}</tool_call>, also the fallback prompt's format) or llama3_json")
     group.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                        help="drive the largest step shapes once before reporting ready")
+    group.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's own log level")
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                        help="log every HTTP request (at INFO)")

@@ -169,6 +169,7 @@ def run_server(args: argparse.Namespace) -> int:
         # h11 with OpenAI-shaped protocol errors; the header limit is h11's incomplete-event limit.
         http=JSONErrorH11Protocol, h11_max_incomplete_event_size=args.max_header_bytes,
     )
+    logging.getLogger("uvicorn").setLevel(args.uvicorn_log_level.upper().replace("TRACE", "DEBUG"))
     server = _Server(uvicorn_config)
     lifecycle = Lifecycle(server, app.state.server, args.drain_timeout, started)
     say(f"serving {args.model} on http://{args.host}:{args.port} (ready once /ready answers 200)")
