@@ -80,9 +80,10 @@ def build_app(
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     metrics_require_key: bool = False,
     tool_call_parser: str = "hermes",
+    log_requests: bool = False,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread (load + warm-up run in it) and stops it."""
-    state = ServerState(engine, served_model_name, max_sequences_per_request, tool_call_parser)
+    state = ServerState(engine, served_model_name, max_sequences_per_request, tool_call_parser, log_requests)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -39,6 +39,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                             "(<tool_call>{json}</tool_call>, also the fallback prompt's format) or llama3_json")
     group.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                        help="drive the largest step shapes once before reporting ready")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each generation request's size and sampling parameters (at INFO; never the prompt)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log level")

@@ -5,6 +5,7 @@ choices and how its choices look on the wire."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -38,6 +39,9 @@ from titan.server.serving import (
     usage,
     wants_timeline,
 )
+
+# Its own logger, set to INFO by --enable-log-requests whatever the global --log-level.
+request_logger = logging.getLogger("titan.requests")
 
 
 @dataclass
@@ -114,6 +118,12 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         except GrammarError as error:
             raise bad_request(str(error), param=error.param) from error
     request_id = new_id(route.id_prefix)
+    if state.log_requests:
+        params = prepared.choices[0].params
+        request_logger.info("request %s: %d choice(s), %d prompt tokens, max_tokens=%s temperature=%g top_p=%g seed=%s "
+                    "structured=%s", request_id, len(prepared.choices), prepared.num_prompt_tokens, params.max_tokens,
+                    params.temperature, params.top_p, params.seed,
+                    params.structured_outputs.kind if params.structured_outputs else None)
     envelope = Envelope(request_id, int(time.time()), state.model_name, route.chunk_object,
                         wants_timeline(body.titan_timeline, request.headers), body.include_usage)
 

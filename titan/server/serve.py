@@ -162,7 +162,8 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     engine = AsyncEngine(lambda: LLMEngine(config), warmup=args.warmup)
     app = build_app(engine, args.served_model_name, api_key, args.max_request_body_bytes,
-                    args.max_sequences_per_request, args.metrics_require_key, args.tool_call_parser)
+                    args.max_sequences_per_request, args.metrics_require_key, args.tool_call_parser,
+                    args.enable_log_requests)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_CLOSE_SECONDS, lifespan="on",
@@ -170,6 +171,8 @@ def run_server(args: argparse.Namespace) -> int:
         http=JSONErrorH11Protocol, h11_max_incomplete_event_size=args.max_header_bytes,
     )
     logging.getLogger("uvicorn").setLevel(args.uvicorn_log_level.upper().replace("TRACE", "DEBUG"))
+    if args.enable_log_requests:
+        logging.getLogger("titan.requests").setLevel(logging.INFO)
     server = _Server(uvicorn_config)
     lifecycle = Lifecycle(server, app.state.server, args.drain_timeout, started)
     say(f"serving {args.model} on http://{args.host}:{args.port} (ready once /ready answers 200)")

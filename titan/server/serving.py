@@ -46,6 +46,7 @@ class ServerState:
     # One request may not fan out into more engine sequences (prompts × n) than this.
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls out of the model's text (tools.py)
+    log_requests: bool = False  # log each generation request's shape and sampling parameters at INFO
     draining: bool = False
     handling: int = 0  # generation handlers that have not yet handed their requests to the engine
     started: float = field(default_factory=time.time)
