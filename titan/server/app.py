@@ -39,6 +39,7 @@ from titan.server.protocol import (
     TokenizeRequest,
     check_model,
     check_token_ids,
+    template_messages,
 )
 from titan.server.serving import ServerState, tokenize
 from titan.version import titan_version
@@ -145,7 +146,7 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either prompt or messages", param="prompt")
         if body.messages is not None:
-            messages = ChatCompletionRequest(messages=body.messages).template_messages()
+            messages = template_messages(body.messages)
             try:
                 text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
             except ValueError as error:

@@ -318,16 +318,21 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
-        messages: list[dict[str, Any]] = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.tool_calls:
-                message["tool_calls"] = [call.model_dump(exclude_none=True) for call in m.tool_calls]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
-        return messages
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them. Templates know system/user/assistant; OpenAI's newer
+    "developer" role is a system prompt."""
+    rendered: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        rendered.append(message)
+    return rendered
 
 
 def check_context(
@@ -370,7 +375,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
