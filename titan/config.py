@@ -216,6 +216,9 @@ class EngineConfig:
         5000.0, "log the timeline of requests whose first token or longest token gap took longer (0: off)")
     grammar_cache_size: int = option(64, "compiled structured-output grammars kept for reuse")
     chat_template: str | None = option(None, "a Jinja chat template file used instead of the model's own")
+    generation_config: str = option(
+        "auto", "sampling defaults for API requests that leave them unset: auto (the model's generation_config.json), "
+                "a JSON file, or none")
     quantization: str = option(
         "auto", "auto: a GGUF keeps its block formats (quantized kernels), an HF checkpoint its own GPTQ/AWQ "
                 "config; none: dequantize to float at load; int8 / int4: quantize float weights at load",
@@ -235,6 +238,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be at least 2")
+        if self.generation_config not in ("auto", "none") and not Path(self.generation_config).is_file():
+            raise ValueError(f"generation_config: auto, none or a JSON file, not {self.generation_config!r}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if self.grammar_cache_size < 1:

@@ -6,8 +6,10 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -40,6 +42,8 @@ class EngineInfo:
     max_model_len: int
     max_num_batched_tokens: int
     grammars: GrammarCompiler  # thread-safe: the server compiles request grammars with it off the engine thread
+    # Sampling defaults for API requests that leave a field unset (vLLM's --generation-config rule).
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,21 @@ def kv_cache_blocks(
     return num_blocks
 
 
+# generation_config.json keys that are sampling defaults (the same names as SamplingParams').
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(source: str, model_folder: Path) -> dict[str, float]:
+    """The sampling defaults `--generation-config` names: auto → the model folder's file, none → none."""
+    if source == "none":
+        return {}
+    path = model_folder / "generation_config.json" if source == "auto" else Path(source)
+    if not path.is_file():
+        return {}
+    values = json.loads(path.read_text())
+    return {key: values[key] for key in SAMPLING_DEFAULT_KEYS if isinstance(values.get(key), int | float)}
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
@@ -103,6 +122,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(files.folder)
         if config.chat_template is not None:
             self.tokenizer.chat_template = Path(config.chat_template).read_text()
+        self.sampling_defaults = sampling_defaults(config.generation_config, files.folder)
         self.device, self.dtype = resolve_device(config.device, config.dtype)
         self.max_model_len = config.max_model_len or files.config.max_position_embeddings
         block_size = config.cache.block_size
@@ -130,7 +150,8 @@ class LLMEngine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                          self.config.scheduler.max_num_batched_tokens, self.grammars)
+                          self.config.scheduler.max_num_batched_tokens, self.grammars,
+                          MappingProxyType(self.sampling_defaults))
 
     def warmup(self) -> None:
         """Drive the largest shapes once, then settle the garbage collector (see gc_discipline)."""

@@ -63,7 +63,8 @@ class ChatRoute(GenerationRoute):
         tool_constraint = constraint_for(self.tools, self.tool_choice, body.parallel_tool_calls) if self.tools else None
         choices = []
         for sample in range(body.n):
-            params = body.sampling_params(max_tokens, body.num_logprobs, sample, info.vocab_size)
+            params = body.sampling_params(max_tokens, body.num_logprobs, sample, info.vocab_size,
+                                          defaults=info.sampling_defaults)
             if tool_constraint is not None:
                 if params.structured_outputs is not None:
                     raise bad_request("tool_choice required or named cannot be combined with another output "

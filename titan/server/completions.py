@@ -53,7 +53,8 @@ class CompletionRoute(GenerationRoute):
         for prompt_index, token_ids in enumerate(prompt_ids):
             max_tokens = check_context(len(token_ids), requested, info.max_model_len)
             for sample in range(body.n):
-                params = body.sampling_params(max_tokens, body.logprobs, sample, info.vocab_size, prompt_logprobs)
+                params = body.sampling_params(max_tokens, body.logprobs, sample, info.vocab_size, prompt_logprobs,
+                                              info.sampling_defaults)
                 choices.append(Choice(prompt_index * body.n + sample, prompt_index, token_ids, params))
         self.echoes = [info.tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
         return Prepared(choices, sum(len(ids) for ids in prompt_ids))

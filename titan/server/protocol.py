@@ -7,6 +7,7 @@ prompt or `max_tokens` that cannot fit the context into a 400 that names the tok
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -157,7 +158,8 @@ class SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int = 0,
-                        vocab_size: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        vocab_size: int | None = None, prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, float] | None = None) -> SamplingParams:
         """The engine's parameters for choice `index` (seeded choices get seed + index, as vLLM)."""
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids or [], vocab_size, param="stop_token_ids")
@@ -178,6 +180,9 @@ class SamplingRequest(BaseModel):
         }
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+        # Unset fields take the server's defaults (--generation-config), then SamplingParams' own.
+        optional = {name: defaults.get(name) if value is None and defaults else value
+                    for name, value in optional.items()}
         options.update({name: value for name, value in optional.items() if value is not None})
         try:
             return SamplingParams(**options)
