@@ -184,7 +184,18 @@ def test_vllm_prompt_logprobs_field_and_streaming_refusal(server: ServerProcess)
     assert len(entries) == reply["usage"]["prompt_tokens"] and entries[0] is None
     assert all(entry and all({"logprob", "rank", "decoded_token"} <= set(v) for v in entry.values())
                for entry in entries[1:])
-    streamed = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "echo": True, "logprobs": 1,
+    # The same on /v1/completions, without `logprobs`: entries still name their tokens' text.
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "The capital of France", "max_tokens": 1,
+                                                             "prompt_logprobs": 0}, timeout=120).json()
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France"},
+                            timeout=30).json()["tokens"]
+    entries = plain["choices"][0]["prompt_logprobs"]
+    assert plain["choices"][0]["logprobs"] is None and entries[0] is None
+    for position, entry in enumerate(entries[1:], start=1):
+        token = entry[str(prompt_ids[position])]
+        assert token["decoded_token"] == httpx.post(server.url + "/detokenize", json={"tokens": [prompt_ids[position]]},
+                                                    timeout=30).json()["prompt"]
+        streamed = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "echo": True, "logprobs": 1,
                                                                 "stream": True, "max_tokens": 2}, timeout=120)
     assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "unsupported_parameter"
 

@@ -43,7 +43,7 @@ class ChatRoute(GenerationRoute):
 
     async def prepare(self, info: EngineInfo) -> Prepared:
         body = self.body
-        self.tokenizer = tokenizer = info.tokenizer
+        tokenizer = info.tokenizer
         native = template_knows_tools(tokenizer.chat_template)
         messages = render_conversation(body.template_messages(), self.tools, native)
 
@@ -114,7 +114,7 @@ class ChatRoute(GenerationRoute):
         message, reason = self._message(output)
         return {"index": choice.index, "message": message,
                 "logprobs": logprobs, "finish_reason": reason} | prompt_logprobs_field(
-            self.texts or TokenTexts(self.tokenizer), self.body.prompt_logprobs, output)
+            self.token_texts, self.body.prompt_logprobs, output)
 
 
 def chat_logprobs(texts: TokenTexts, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:

@@ -93,7 +93,7 @@ class CompletionRoute(GenerationRoute):
                 logprobs = with_prompt(self.texts, logprobs, choice.prompt_token_ids, output.prompt_logprobs or [])
         entry = {"index": choice.index, "text": echo + ("" if only_prompt else output.text), "logprobs": logprobs,
                  "finish_reason": "length" if only_prompt else output.finish_reason}
-        return entry | prompt_logprobs_field(self.texts, self.body.prompt_logprobs, output)
+        return entry | prompt_logprobs_field(self.token_texts, self.body.prompt_logprobs, output)
 
 
 def with_prompt(texts: TokenTexts, completion: dict[str, Any], prompt_ids: list[int],

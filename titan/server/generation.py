@@ -58,10 +58,11 @@ class GenerationRoute(ABC):
     id_prefix: str
     object: str  # of the whole response
     chunk_object: str  # of each streamed chunk
+    token_texts: TokenTexts  # token id → text for any logprobs the response carries (set by handle_generation)
 
     def __init__(self, body: SamplingRequest) -> None:
         self.body = body
-        self.texts: TokenTexts | None = None  # set when the request asked for logprobs
+        self.texts: TokenTexts | None = None  # `token_texts`, set only when the request asked for logprobs
 
     @abstractmethod
     def num_sequences(self) -> int:
@@ -106,8 +107,9 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         raise bad_request(f"This request would run {route.num_sequences()} sequences (prompts × n); the limit is "
                           f"{state.max_sequences_per_request} (--max-sequences-per-request).", param=param)
     priority = request_priority(body.priority, request.headers)
+    route.token_texts = TokenTexts(info.tokenizer)
     if route.wants_logprobs():
-        route.texts = TokenTexts(info.tokenizer)
+        route.texts = route.token_texts
     prepared = await route.prepare(info)
     constraint = prepared.choices[0].params.structured_outputs
     if constraint is not None:

@@ -224,11 +224,11 @@ class TokenTexts:
         return list(self.text(token_id).encode("utf-8"))
 
 
-def prompt_logprobs_field(texts: TokenTexts | None, asked: int | None, output: RequestOutput) -> dict[str, Any]:
+def prompt_logprobs_field(texts: TokenTexts, asked: int | None, output: RequestOutput) -> dict[str, Any]:
     """vLLM's `prompt_logprobs` entry of a choice: per prompt position, token id → logprob, rank, text."""
     if asked is None:
         return {}
-    decode = texts.text if texts is not None else str
+    decode = texts.text
 
     def entry(item: TokenLogprobs | None) -> dict[str, Any] | None:
         if item is None:
