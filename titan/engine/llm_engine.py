@@ -40,7 +40,6 @@ class EngineInfo:
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
-    max_num_batched_tokens: int
     grammars: GrammarCompiler  # thread-safe: the server compiles request grammars with it off the engine thread
     # Sampling defaults for API requests that leave a field unset (vLLM's --generation-config rule).
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
@@ -150,8 +149,7 @@ class LLMEngine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                          self.config.scheduler.max_num_batched_tokens, self.grammars,
-                          MappingProxyType(self.sampling_defaults))
+                          self.grammars, MappingProxyType(self.sampling_defaults))
 
     def warmup(self) -> None:
         """Drive the largest shapes once, then settle the garbage collector (see gc_discipline)."""

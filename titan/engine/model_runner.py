@@ -142,11 +142,12 @@ class ModelRunner:
         results = []
         for item, (row_start, _) in zip(scheduled, inputs.row_ranges, strict=True):
             num_top = item.sampling_params.prompt_logprobs
-            num_prompt = len(item.prompt_token_ids)
+            if num_top is None:  # almost every sequence of every step: nothing to compute
+                continue
             # Positions start..last predict prompt tokens start+1..last+1; the prompt's last position
             # predicts the first output token instead.
-            last = min(item.start_position + item.num_new_tokens, num_prompt - 1)
-            if num_top is None or last <= item.start_position:
+            last = min(item.start_position + item.num_new_tokens, len(item.prompt_token_ids) - 1)
+            if last <= item.start_position:
                 continue
             count = last - item.start_position
             rows = torch.arange(row_start, row_start + count, device=self.device)
