@@ -23,6 +23,7 @@ PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand
            "step. To be or not to be, that is the question. All that glitters is not gold.")
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+DRAFT = {"method": "draft_model", "model": "default", "num_speculative_tokens": 3, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,8 @@ def engines() -> dict[str, LLM]:
         "off": LLM(threads=1),
         "fixed": LLM(threads=1, speculative_config={**NGRAM, "adaptive": False}),
         "adaptive": LLM(threads=1, speculative_config=NGRAM),
+        # The default model drafting for itself: greedy drafts agree unless penalties or bias steer the target.
+        "draft": LLM(threads=1, speculative_config=DRAFT),
     }
 
 
@@ -62,7 +65,7 @@ def run_all(llm: LLM, sampling: list[SamplingParams]) -> list:
 
 def test_greedy_output_is_identical_with_every_option(engines: dict[str, LLM]) -> None:
     reference = run_all(engines["off"], option_params(engines["off"]))
-    for name in ("fixed", "adaptive"):
+    for name in ("fixed", "adaptive", "draft"):
         outputs = run_all(engines[name], option_params(engines[name]))
         for expected, actual in zip(reference, outputs, strict=True):
             assert actual.token_ids == expected.token_ids, name
@@ -76,6 +79,8 @@ def test_greedy_output_is_identical_with_every_option(engines: dict[str, LLM]) -
         accepted = sum(output.timeline["accepted_draft_tokens"] for output in outputs)
         drafted = sum(output.timeline["draft_tokens"] for output in outputs)
         assert 0 < accepted < drafted, name  # speculation really ran, and was sometimes wrong
+        if name == "draft":
+            assert accepted > 0.6 * drafted
     # The option that stops on a string stopped on it in every engine, and min_tokens held.
     assert {o.stop_reason for o in reference[1::8]} & {"miles", "return a *"}
     assert all(o.num_output_tokens >= 25 for o in reference[4::8])
@@ -85,9 +90,10 @@ def test_seeded_sampling_gives_the_same_tokens_as_without_speculation(engines: d
     sampling = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, top_k=40, seed=seed) for seed in range(6)]
     prompts = copy_prompts(engines["off"])[:2] * 3
     expected = engines["off"].generate(prompts, sampling)
-    actual = engines["fixed"].generate(prompts, sampling)
-    assert [o.token_ids for o in actual] == [o.token_ids for o in expected]
-    assert sum(o.timeline["accepted_draft_tokens"] for o in actual) > 0
+    for name in ("fixed", "draft"):
+        actual = engines[name].generate(prompts, sampling)
+        assert [o.token_ids for o in actual] == [o.token_ids for o in expected], name
+        assert sum(o.timeline["accepted_draft_tokens"] for o in actual) > 0
     again = engines["fixed"].generate(prompts, sampling)
     assert [o.token_ids for o in again] == [o.token_ids for o in expected]
 
@@ -186,6 +192,16 @@ def test_a_draft_that_is_always_accepted_would_fail_the_distribution_test(
 
 
 # ---- configuration --------------------------------------------------------------------------------
+
+def test_draft_model_frees_its_cache_and_refuses_another_vocabulary(
+        engines: dict[str, LLM], tiny_model: tuple[Path, LlamaForCausalLM]) -> None:
+    drafter = engines["draft"].engine.drafter
+    assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks  # every request finished
+    assert drafter.shadows == {} or all(s.seq.block_table == [] for s in drafter.shadows.values())
+    folder, _ = tiny_model
+    with pytest.raises(ValueError, match="vocabulary of 16 tokens, the served model 49152"):
+        LLM(threads=1, speculative_config={**DRAFT, "model": str(folder)})
+
 
 def test_speculative_config_parses_vllm_keys_and_rejects_mistakes() -> None:
     config = engine_config(speculative_config=json.dumps(NGRAM)).speculative_config

@@ -145,7 +145,7 @@ class LLMEngine:
         self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
                                   self.dtype, sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.drafter = make_drafter(spec, files, self) if spec is not None else None
+        self.drafter = make_drafter(spec, self) if spec is not None else None
         self.requests: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(self.tokenizer, files.config.vocab_size, config.grammar_cache_size)
         self.load_seconds = time.perf_counter() - started

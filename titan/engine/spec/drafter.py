@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from titan.config import SpeculativeConfig
 from titan.engine.sequence import Sequence
 from titan.engine.spec.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from titan.engine.llm_engine import LLMEngine
 
 
 class Drafter(Protocol):
@@ -31,9 +34,9 @@ class NgramDrafter:
                                    if wants_drafts(seq) else [])
 
 
-def make_drafter(config: SpeculativeConfig, target_files: object, engine: object) -> Drafter:
+def make_drafter(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
     if config.method == "ngram":
         return NgramDrafter(config)
-    from titan.engine.spec.draft_model import DraftModelDrafter
+    from titan.engine.spec.draft_model import DraftModelDrafter  # loads a model: only when asked for
 
-    return DraftModelDrafter(config, target_files, engine)
+    return DraftModelDrafter(config, engine)

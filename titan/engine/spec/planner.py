@@ -42,8 +42,21 @@ class SpeculationPlanner:
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
     def plan(self, decodes: list[tuple[Sequence, int]]) -> dict[int, int]:
-        """Drafts to verify per seq_id, for decodes given with the most drafts each may carry."""
-        candidates = [(seq, min(limit, len(seq.draft_token_ids), self.config.num_speculative_tokens))
+        """Drafts to verify per seq_id, for decodes given with the most drafts each may carry. A sequence
+        with drafts that are not worth verifying drifts back towards the prior acceptance."""
+        plan = self.choose(decodes)
+        for seq, _ in decodes:
+            if seq.draft_token_ids and seq.seq_id not in plan:
+                seq.spec_acceptance += RELAXATION * (PRIOR_ACCEPTANCE - seq.spec_acceptance)
+        return plan
+
+    def choose(self, decodes: list[tuple[Sequence, int]], available: dict[int, int] | None = None) -> dict[int, int]:
+        """The rule above, changing nothing; `available` (seq_id → drafts) replaces each sequence's own
+        drafts (a draft model asks how many drafts would be wanted before it computes them)."""
+        def drafts_of(seq: Sequence) -> int:
+            return len(seq.draft_token_ids) if available is None else available.get(seq.seq_id, 0)
+
+        candidates = [(seq, min(limit, drafts_of(seq), self.config.num_speculative_tokens))
                       for seq, limit in decodes]
         candidates = [(seq, limit) for seq, limit in candidates if limit > 0]
         if not candidates:
@@ -72,13 +85,7 @@ class SpeculationPlanner:
             expected_tokens += gain
             if position < limit:
                 heapq.heappush(heap, (-gain * seq.spec_acceptance, position + 1, index))
-        plan = {}
-        for (seq, _), count in zip(candidates, chosen, strict=True):
-            if count:
-                plan[seq.seq_id] = count
-            else:
-                seq.spec_acceptance += RELAXATION * (PRIOR_ACCEPTANCE - seq.spec_acceptance)
-        return plan
+        return {seq.seq_id: count for (seq, _), count in zip(candidates, chosen, strict=True) if count}
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: update the sequence's acceptance estimate and the counters."""
