@@ -86,6 +86,24 @@ def test_greedy_output_is_identical_with_every_option(engines: dict[str, LLM]) -
     assert all(o.num_output_tokens >= 25 for o in reference[4::8])
 
 
+def test_preemption_chunked_prefill_and_prefix_hits_in_the_middle_of_speculation(engines: dict[str, LLM]) -> None:
+    """Copy prompts through a tiny cache and step budget: drafts are verified while other sequences are
+    preempted and prompts are chunked, and every output is the unconstrained run's."""
+    sampling = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = copy_prompts(engines["off"]) * 3
+    reference = [o.token_ids for o in engines["off"].generate(prompts, sampling)]
+    # 4-token blocks, 24-token steps, ~46 blocks for 9 x (up to ~70 + 24) tokens.
+    llm = LLM(threads=1, block_size=4, max_num_batched_tokens=24, max_num_seqs=9, kv_cache_memory=0.008,
+              speculative_config={**NGRAM, "adaptive": False})
+    outputs = llm.generate(prompts, sampling)
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
+    assert engine.block_manager.prefix_cache_hits > 0
+    assert engine.stats().spec.num_accepted_tokens > 0
+    assert [o.token_ids for o in outputs] == reference
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_seeded_sampling_gives_the_same_tokens_as_without_speculation(engines: dict[str, LLM]) -> None:
     sampling = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, top_k=40, seed=seed) for seed in range(6)]
     prompts = copy_prompts(engines["off"])[:2] * 3

@@ -135,12 +135,12 @@ class LLMEngine:
         # Fitted online to every step; the slo policy caps prefill chunks with it.
         self.cost_model = StepCostModel()
         spec = config.speculative_config
-        self.speculation = SpeculationPlanner(spec, self.cost_model) if spec is not None else None
+        self.speculation = SpeculationPlanner(spec) if spec is not None else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model,
                                    self.speculation)
         self.admission = AdmissionController(config.admission, self.cost_model, config.scheduler)
         self.gc_monitor = GcMonitor.install()
-        self.observer = StepObserver(self.cost_model, self.gc_monitor)
+        self.observer = StepObserver(self.cost_model, self.gc_monitor, self.speculation)
         sampler = Sampler(eos, seed=config.seed)
         self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
                                   self.dtype, sampler)

@@ -166,18 +166,29 @@ class ModelRunner:
         return results
 
     def _prepare(self, scheduled: list[ScheduledSequence]) -> _StepInputs:
-        # One-token sequences form the batched decode group, whatever the scheduler's order.
-        order = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
-        order += [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]
+        # One-token sequences form the batched decode group, whatever the scheduler's order. A sequence
+        # verifying drafts joins it as one row per new token (row i sees the cache up to its own position:
+        # every new K/V is written before attention), so verification batches like decoding.
+        def in_decode_group(item: ScheduledSequence) -> bool:
+            return item.num_new_tokens == 1 or bool(item.draft_token_ids)
+
+        order = [i for i, s in enumerate(scheduled) if in_decode_group(s)]
+        order += [i for i, s in enumerate(scheduled) if not in_decode_group(s)]
         ordered = [scheduled[i] for i in order]
-        metadata, positions = build_attention_metadata(
-            [s.num_new_tokens for s in ordered],
-            [s.start_position for s in ordered],
-            [s.block_table for s in ordered],
-            self.block_size,
-            self.device,
-            null_slot=self.null_slot,
-        )
+        lengths: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        for item in ordered:
+            if item.draft_token_ids:
+                lengths += [1] * item.num_new_tokens
+                starts += range(item.start_position, item.start_position + item.num_new_tokens)
+                tables += [item.block_table] * item.num_new_tokens
+            else:
+                lengths.append(item.num_new_tokens)
+                starts.append(item.start_position)
+                tables.append(item.block_table)
+        metadata, positions = build_attention_metadata(lengths, starts, tables, self.block_size, self.device,
+                                                       null_slot=self.null_slot)
         token_ids = [token for s in ordered for token in s.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         row_ranges: list[tuple[int, int]] = [(0, 0)] * len(scheduled)

@@ -13,6 +13,7 @@ from titan.engine.cost_model import StepCostModel, shape_of
 from titan.engine.gc_discipline import GcMonitor
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence
+from titan.engine.spec.planner import SpeculationPlanner
 
 STEP_HISTORY = 2048  # engine steps kept for attribution (/debug/steps)
 
@@ -57,8 +58,10 @@ class StepDone:
 
 
 class StepObserver:
-    def __init__(self, cost_model: StepCostModel, gc_monitor: GcMonitor) -> None:
+    def __init__(self, cost_model: StepCostModel, gc_monitor: GcMonitor,
+                 speculation: SpeculationPlanner | None = None) -> None:
         self.cost_model = cost_model
+        self.speculation = speculation
         self.gc_monitor = gc_monitor
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
 
@@ -70,6 +73,8 @@ class StepObserver:
             shape = shape_of(decision.scheduled)
             predicted = self.cost_model.predict(shape) if self.cost_model.ready else None
             self.cost_model.observe(shape, step.duration)
+            if self.speculation is not None:
+                self.speculation.observe(decision.scheduled, step.duration)
             gc_pause = self.gc_monitor.total_pause_seconds - step.gc_pause_before
             self.steps.append(StepRecord.of(decision, step.result, step.started, step.duration, predicted, gc_pause))
             for scheduled, seq in zip(decision.scheduled, step.scheduled_seqs, strict=True):

@@ -16,7 +16,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from titan.config import SpeculativeConfig
-from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.cost_model import StepCostModel, StepShape, shape_of
+from titan.engine.scheduler_output import ScheduledSequence
 from titan.engine.sequence import PRIOR_ACCEPTANCE, Sequence
 
 # How fast acceptance estimates move (a sequence starts at sequence.PRIOR_ACCEPTANCE).
@@ -36,10 +37,20 @@ class SpecStats:
 
 
 class SpeculationPlanner:
-    def __init__(self, config: SpeculativeConfig, cost_model: StepCostModel | None) -> None:
+    """`cost_model` is fitted to decode-only steps (verification included) by `observe`: their cost per
+    row is what a draft adds, and prefill chunks, which run on other kernels, would blur it. While only one
+    batch width has been seen, the fit splits a step's time evenly between the fixed cost and the row, so
+    a quiet server starts by verifying a likely draft and learns the real split from it."""
+
+    def __init__(self, config: SpeculativeConfig, cost_model: StepCostModel | None = None) -> None:
         self.config = config
-        self.cost_model = cost_model
+        self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def observe(self, scheduled: list[ScheduledSequence], seconds: float) -> None:
+        """A step ran: learn from it if it only decoded."""
+        if scheduled and all(item.is_decode for item in scheduled):
+            self.cost_model.observe(shape_of(scheduled), seconds)
 
     def plan(self, decodes: list[tuple[Sequence, int]]) -> dict[int, int]:
         """Drafts to verify per seq_id, for decodes given with the most drafts each may carry. A sequence
@@ -64,7 +75,7 @@ class SpeculationPlanner:
         if not self.config.adaptive:
             return {seq.seq_id: limit for seq, limit in candidates}
         model = self.cost_model
-        if model is None or not model.ready:
+        if not model.ready:
             return {}  # no cost estimate yet: do not gamble
         shape = StepShape()
         for seq, _ in decodes:
