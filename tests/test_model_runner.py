@@ -118,9 +118,10 @@ def test_metadata_slot_mapping_and_decode_gather_with_shuffled_blocks() -> None:
     assert metadata.slot_mapping.tolist() == expected_slots
     assert len(set(expected_slots)) == len(expected_slots)
 
-    assert metadata.num_decodes == 2 and metadata.decode_max_context == 9
-    gather = metadata.decode_slots.view(2, 9)
-    mask = metadata.decode_mask.view(2, 9)
+    (bucket,) = metadata.decode_buckets
+    assert metadata.num_decodes == 2 and bucket.max_context == 9 and (bucket.row_start, bucket.row_end) == (0, 2)
+    gather = bucket.slots.view(2, 9)
+    mask = bucket.mask.view(2, 9)
     for row, (table, context) in enumerate([(tables[0], 9), (tables[1], 6)]):
         assert gather[row, :context].tolist() == [slot_of(table, p, block_size) for p in range(context)]
         assert mask[row].tolist() == [p < context for p in range(9)]
@@ -359,3 +360,22 @@ def test_cpu_float32_output_is_deterministic() -> None:
     assert torch.equal(first, second)
     assert first.shape == (1, CONFIG.vocab_size)
     assert not F.softmax(first, dim=-1).isnan().any()
+
+
+def test_decode_buckets_follow_the_sum_of_contexts_not_count_times_longest() -> None:
+    from titan.model.attention import decode_buckets
+
+    # Fifteen short conversations and one long one: the long one gets its own bucket.
+    short_and_long = [100] * 15 + [4000]
+    buckets = decode_buckets(short_and_long)
+    assert buckets == [(0, 15), (15, 16)]
+    padded = sum((end - start) * max(short_and_long[start:end]) for start, end in buckets)
+    assert padded == sum(short_and_long)
+    # Similar contexts, or only short ones, stay one bucket (each bucket is one more SDPA call per layer).
+    assert decode_buckets([500, 520, 610, 700]) == [(0, 4)]
+    assert decode_buckets([10, 300, 600, 900]) == [(0, 4)]
+    assert decode_buckets([]) == []
+    # Every row is in exactly one bucket, in order, whatever the input order.
+    mixed = [3000, 20, 20, 5000, 40, 4000, 30]
+    ranges = decode_buckets(mixed)
+    assert [row for start, end in ranges for row in range(start, end)] == list(range(len(mixed)))

@@ -172,7 +172,9 @@ class ModelRunner:
         def in_decode_group(item: ScheduledSequence) -> bool:
             return item.num_new_tokens == 1 or bool(item.draft_token_ids)
 
-        order = [i for i, s in enumerate(scheduled) if in_decode_group(s)]
+        # Decodes by context length, so attention buckets of similar contexts are contiguous rows.
+        order = sorted((i for i, s in enumerate(scheduled) if in_decode_group(s)),
+                       key=lambda i: scheduled[i].start_position)
         order += [i for i, s in enumerate(scheduled) if not in_decode_group(s)]
         ordered = [scheduled[i] for i in order]
         lengths: list[int] = []

@@ -31,16 +31,49 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBucket:
+    """Decode rows [row_start, row_end) padded to their longest context: a flattened [n * max_context]
+    slot gather index and the [n, 1, 1, max_context] mask."""
+
+    row_start: int
+    row_end: int
+    slots: torch.Tensor
+    mask: torch.Tensor
+    max_context: int
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs shared by every layer."""
 
     slot_mapping: torch.Tensor  # [T] physical cache slot of every new token
     num_decodes: int = 0  # the first `num_decodes` rows are one-token sequences
-    # Decode group: flattened [B * max_context] slot gather index and the [B, 1, 1, max_context] mask.
-    decode_slots: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    decode_max_context: int = 0
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+# A decode bucket may pad up to this share of its real context columns (or this many columns, whichever
+# is more) before the next row starts a bucket of its own: padding every row to the longest context would
+# make one long conversation slow down a batch of short ones, while each bucket costs one more SDPA call.
+PAD_SHARE = 0.5
+PAD_COLUMNS = 2048
+
+
+def decode_buckets(context_lengths: list[int]) -> list[tuple[int, int]]:
+    """Contiguous row ranges whose padded size stays within the allowance (rows come sorted by context
+    from the runner, so the split is close to the sum of contexts)."""
+    buckets: list[tuple[int, int]] = []
+    start, longest, total = 0, 0, 0
+    for row, context in enumerate(context_lengths):
+        new_longest, new_total = max(longest, context), total + context
+        padded = (row - start + 1) * new_longest
+        if row > start and padded - new_total > max(PAD_COLUMNS, PAD_SHARE * new_total):
+            buckets.append((start, row))
+            start, new_longest, new_total = row, context, context
+        longest, total = new_longest, new_total
+    if context_lengths:
+        buckets.append((start, len(context_lengths)))
+    return buckets
 
 
 def build_attention_metadata(
@@ -77,19 +110,20 @@ def build_attention_metadata(
     slot_mapping = tables[sequence_of_token, positions // block_size] * block_size + positions % block_size
     metadata = AttentionMetadata(slot_mapping=slot_mapping.to(device, non_blocking=True), num_decodes=num_decodes)
 
-    if num_decodes:
-        # Pad every decode's context to the longest; padded columns are masked.
-        context_lengths = torch.tensor(start_positions[:num_decodes], dtype=torch.int64) + 1
-        max_context = int(max(start_positions[:num_decodes])) + 1
+    contexts = [start + 1 for start in start_positions[:num_decodes]]
+    for row_start, row_end in decode_buckets(contexts):
+        # Pad each bucket's contexts to its longest; padded columns are masked.
+        context_lengths = torch.tensor(contexts[row_start:row_end], dtype=torch.int64)
+        max_context = max(contexts[row_start:row_end])
         columns = torch.arange(max_context)
-        slots = tables[:num_decodes, columns // block_size] * block_size + columns % block_size
+        slots = tables[row_start:row_end, columns // block_size] * block_size + columns % block_size
         mask = columns[None, :] < context_lengths[:, None]
         if null_slot is not None:
             # A masked column still enters probability × value as 0 × value: it must not be NaN.
             slots = torch.where(mask, slots, null_slot)
-        metadata.decode_slots = slots.reshape(-1).to(device, non_blocking=True)
-        metadata.decode_mask = mask[:, None, None, :].to(device, non_blocking=True)
-        metadata.decode_max_context = max_context
+        metadata.decode_buckets.append(DecodeBucket(
+            row_start, row_end, slots.reshape(-1).to(device, non_blocking=True),
+            mask[:, None, None, :].to(device, non_blocking=True), max_context))
 
     token_start = num_decodes
     for index in range(num_decodes, num_sequences):
@@ -124,19 +158,18 @@ def paged_attention(
     value_cache.index_copy_(0, metadata.slot_mapping, value)
 
     outputs: list[torch.Tensor] = []
-    batch = metadata.num_decodes
-    if batch:
-        context = metadata.decode_max_context
-        keys = key_cache.index_select(0, metadata.decode_slots).view(batch, context, num_kv_heads, head_dim)
-        values = value_cache.index_select(0, metadata.decode_slots).view(batch, context, num_kv_heads, head_dim)
+    for bucket in metadata.decode_buckets:
+        batch, context = bucket.row_end - bucket.row_start, bucket.max_context
+        keys = key_cache.index_select(0, bucket.slots).view(batch, context, num_kv_heads, head_dim)
+        values = value_cache.index_select(0, bucket.slots).view(batch, context, num_kv_heads, head_dim)
         # With one query token per sequence, a kv head's query group can ride in the query-length
-        # dimension: no kv expansion and one SDPA call for the whole decode batch.
-        grouped_query = query[:batch].reshape(batch, num_kv_heads, group, head_dim)
+        # dimension: no kv expansion and one SDPA call for the whole bucket.
+        grouped_query = query[bucket.row_start:bucket.row_end].reshape(batch, num_kv_heads, group, head_dim)
         out = F.scaled_dot_product_attention(
             grouped_query,
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=metadata.decode_mask,
+            attn_mask=bucket.mask,
             scale=scale,
         )
         outputs.append(out.reshape(batch, num_heads * head_dim))
