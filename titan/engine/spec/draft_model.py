@@ -10,6 +10,7 @@ Drafts are deterministic, so verification (spec.verify) keeps the target's distr
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from titan.config import SpeculativeConfig
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from titan.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=None, temperature=0.0)
+DRAFT_COST_RATE = 0.2
 
 
 class _Shadow:
@@ -56,6 +58,9 @@ class DraftModelDrafter:
         self.runner = ModelRunner(files.config, files.weights, engine.num_blocks, block_size, engine.device,
                                   engine.dtype, Sampler(engine.tokenizer.eos_token_ids))
         self.shadows: dict[int, _Shadow] = {}
+        # Seconds one draft token costs (a draft round's time over the sequences in it), averaged: the
+        # planner weighs it against the expected gain before anything is drafted.
+        self.seconds_per_draft = 0.0
 
     def propose(self, running: list[Sequence]) -> None:
         live = {seq.seq_id for seq in running}
@@ -79,7 +84,10 @@ class DraftModelDrafter:
                 shadow.computed += pending
             if not scheduled:
                 break
+            started = time.perf_counter()
             result = self.runner.execute(SchedulerOutput(scheduled=scheduled))
+            per_draft = (time.perf_counter() - started) / len(scheduled)
+            self.seconds_per_draft += DRAFT_COST_RATE * (per_draft - self.seconds_per_draft)
             by_id = {seq.seq_id: seq for seq, _ in batch}
             for seq_id, token_id in zip(result.seq_ids, result.token_ids, strict=True):
                 by_id[seq_id].draft_token_ids.append(token_id)
@@ -89,7 +97,8 @@ class DraftModelDrafter:
         engine = self.engine
         limits = [(seq, engine.scheduler.max_length(seq) - seq.num_tokens - 1) for seq in candidates]
         assert engine.speculation is not None
-        return engine.speculation.choose(limits, {seq.seq_id: self.num_tokens for seq in candidates})
+        return engine.speculation.choose(limits, {seq.seq_id: self.num_tokens for seq in candidates},
+                                         self.seconds_per_draft)
 
     def _shadow(self, seq: Sequence) -> _Shadow:
         """The sequence's shadow, rolled back to the tokens it shares with the target."""

@@ -61,9 +61,11 @@ class SpeculationPlanner:
                 seq.spec_acceptance += RELAXATION * (PRIOR_ACCEPTANCE - seq.spec_acceptance)
         return plan
 
-    def choose(self, decodes: list[tuple[Sequence, int]], available: dict[int, int] | None = None) -> dict[int, int]:
+    def choose(self, decodes: list[tuple[Sequence, int]], available: dict[int, int] | None = None,
+               draft_seconds: float = 0.0) -> dict[int, int]:
         """The rule above, changing nothing; `available` (seq_id → drafts) replaces each sequence's own
-        drafts (a draft model asks how many drafts would be wanted before it computes them)."""
+        drafts and `draft_seconds` adds what computing one draft costs (a draft model asks how many drafts
+        would be wanted before it computes them)."""
         def drafts_of(seq: Sequence) -> int:
             return len(seq.draft_token_ids) if available is None else available.get(seq.seq_id, 0)
 
@@ -87,7 +89,7 @@ class SpeculationPlanner:
         while heap:
             negative_gain, position, index = heapq.heappop(heap)
             seq, limit = candidates[index]
-            cost = model.marginal_token_cost(seq.num_computed_tokens + position)
+            cost = model.marginal_token_cost(seq.num_computed_tokens + position) + draft_seconds
             gain = -negative_gain
             if gain * step_seconds <= cost * expected_tokens:
                 break  # the best remaining draft does not pay, so none after it does
