@@ -183,6 +183,9 @@ def test_adaptive_planner_speculates_when_quiet_less_when_busy_and_not_when_acce
     collapsed = decodes(1, 0.05)
     assert planner.plan(collapsed) == {}
     assert collapsed[0][0].spec_acceptance > 0.05  # drifts back so it is retried later
+    # A draft model as costly as the target's step: no draft pays for itself.
+    assert planner.choose(decodes(1, 0.9), draft_seconds=0.018) == {}
+    assert planner.choose(decodes(1, 0.9), draft_seconds=0.0005) != {}
     fixed = SpeculationPlanner(SpeculativeConfig("ngram", num_speculative_tokens=3, adaptive=False), None)
     assert list(fixed.plan(decodes(2, 0.01)).values()) == [3, 3]
 
