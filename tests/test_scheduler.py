@@ -223,3 +223,36 @@ def test_many_concurrent_requests_with_tiny_pool_all_match_reference() -> None:
     assert scheduler.block_manager.prefix_cache_hits > 0
     assert [seq.output_token_ids for seq in seqs] == expected
     assert scheduler.block_manager.num_free_blocks == 24
+
+
+def test_a_request_waits_for_shared_prefix_blocks_another_is_computing_instead_of_recomputing() -> None:
+    """Two requests with one 32-token prefix, the second arriving while the first is still prefilling in
+    8-token chunks: the second trails the first and hits its blocks rather than computing them again."""
+    scheduler, runner = make_scheduler(budget=8, block_size=4)
+    shared = [600 + i for i in range(32)]
+    first = Sequence(shared + [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    second = Sequence(shared + [7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    scheduler.add(first)
+    output = scheduler.schedule()
+    scheduler.commit(output, runner.execute(output))
+    scheduler.add(second)
+    computed_by_second = 0
+    while scheduler.has_unfinished:
+        output = scheduler.schedule()
+        computed_by_second += sum(s.num_new_tokens for s in output.scheduled if s.seq_id == second.seq_id)
+        scheduler.commit(output, runner.execute(output))
+    assert second.num_cached_tokens == 32
+    assert computed_by_second == 3 + 3  # its own suffix, then three decode steps
+    assert (first.output_token_ids, second.output_token_ids) == tuple(
+        reference_outputs([first.prompt_token_ids, second.prompt_token_ids], 4))
+    assert scheduler.block_manager.in_flight == {}
+
+
+def test_a_waiter_does_not_wait_for_blocks_whose_owner_was_preempted() -> None:
+    manager = BlockManager(64, 4)
+    owner = Sequence([600 + i for i in range(16)], SamplingParams(max_tokens=2))
+    waiter = Sequence([600 + i for i in range(16)] + [5], SamplingParams(max_tokens=2))
+    assert manager.allocate(owner, 8)
+    assert manager.computing_elsewhere(waiter, 0)
+    manager.free(owner)
+    assert not manager.computing_elsewhere(waiter, 0) and manager.in_flight == {}

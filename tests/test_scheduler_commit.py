@@ -90,7 +90,7 @@ def test_a_victim_picked_while_allocating_publishes_nothing_new() -> None:
     check_extension_matches_reference(scheduler, runner, written, max_cached=4)
 
 
-def test_two_requests_sharing_a_prefix_in_one_step_both_compute_it() -> None:
+def test_two_requests_sharing_a_prefix_in_one_step_share_it_only_once_written() -> None:
     scheduler, runner = make(budget=64)
     shared = list(range(100, 116))
     first = Sequence(shared + [1, 3, 5], params())
@@ -98,10 +98,15 @@ def test_two_requests_sharing_a_prefix_in_one_step_both_compute_it() -> None:
     scheduler.add(first)
     scheduler.add(second)
     output = scheduler.schedule()
-    # Nothing is published before the step ran, so the second cannot share blocks not yet written.
-    assert [s.start_position for s in output.scheduled] == [0, 0]
+    # Nothing is published before the step ran, so the second cannot share blocks not yet written: it
+    # waits for the first to write them rather than computing them too.
+    assert [(s.seq_id, s.start_position) for s in output.scheduled] == [(first.seq_id, 0)]
+    scheduler.commit(output, runner.execute(output))
+    output = scheduler.schedule()
+    assert (second.seq_id, 16) in [(s.seq_id, s.start_position) for s in output.scheduled]
     scheduler.commit(output, runner.execute(output))
     run_all(scheduler, runner)
+    assert second.num_cached_tokens == 16
     assert first.output_token_ids == reference_outputs([first.prompt_token_ids], 4)[0]
     assert second.output_token_ids == reference_outputs([second.prompt_token_ids], 4)[0]
     later = Sequence(shared + [11], params())

@@ -39,6 +39,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         # Per sequence: how many of its full blocks are registered in the prefix cache.
         self.num_registered_blocks: dict[int, int] = {}
+        # Full prompt blocks a running sequence has still to publish (hash → seq_id): a request that
+        # shares them waits for them instead of computing them a second time.
+        self.in_flight: dict[int, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -97,6 +100,8 @@ class BlockManager:
             if block.block_hash is None and hashes[index] not in self.hash_to_block:
                 block.block_hash = hashes[index]
                 self.hash_to_block[hashes[index]] = block.block_id
+            if self.in_flight.get(hashes[index]) == seq.seq_id:
+                del self.in_flight[hashes[index]]
         self.num_registered_blocks[seq.seq_id] = end
 
     # ---- allocation --------------------------------------------------------------------------
@@ -140,7 +145,22 @@ class BlockManager:
         total_tokens = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < cdiv(total_tokens, self.block_size):
             seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            # The whole prompt's full blocks: a request sharing them trails this one chunk by chunk.
+            first = self.num_registered_blocks.get(seq.seq_id, 0)
+            last = seq.num_prompt_tokens // self.block_size
+            for block_hash in self._block_hashes(seq, last)[first:last]:
+                if block_hash not in self.hash_to_block:
+                    self.in_flight.setdefault(block_hash, seq.seq_id)
         return True
+
+    def computing_elsewhere(self, seq: Sequence, num_cached_blocks: int) -> bool:
+        """Whether the block right after `seq`'s cached prefix is being computed by another sequence."""
+        if not self.in_flight or (num_cached_blocks + 1) * self.block_size >= seq.num_tokens:
+            return False
+        block_hash = self._block_hashes(seq, num_cached_blocks + 1)[num_cached_blocks]
+        owner = self.in_flight.get(block_hash)
+        return owner is not None and owner != seq.seq_id
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Release the blocks past the first `num_tokens` positions (rejected drafts' K/V). They were
@@ -165,3 +185,11 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)
         seq.block_table = []
         self.num_registered_blocks.pop(seq.seq_id, None)
+        self._forget_in_flight(seq)
+
+    def _forget_in_flight(self, seq: Sequence) -> None:
+        """A preempted, finished or trimmed sequence computes none of its unpublished blocks any more."""
+        if self.in_flight:
+            for block_hash in seq.block_hashes:
+                if self.in_flight.get(block_hash) == seq.seq_id:
+                    del self.in_flight[block_hash]

@@ -38,6 +38,7 @@ class _StepBuilder:
         self.shape = StepShape()
         self.has_prefill = False
         self.has_decode = False  # someone in this step is mid-stream, waiting for its next token
+        self.deferred: set[int] = set()  # waiting sequences that wait for prefix blocks being computed
 
     def add(self, scheduled: ScheduledSequence) -> None:
         self.output.scheduled.append(scheduled)
@@ -154,6 +155,11 @@ class Scheduler:
             # A prompt that wants its own logprobs must compute every position.
             wants_prompt = seq.sampling_params.prompt_logprobs is not None
             cached_blocks = [] if wants_prompt else self.block_manager.find_cached_prefix(seq)
+            if not wants_prompt and self.block_manager.computing_elsewhere(seq, len(cached_blocks)):
+                # Its next prefix block is being computed by a running request: wait a step for the
+                # cache hit rather than spend budget computing the same block twice.
+                step.deferred.add(seq.seq_id)
+                continue
             num_cached = len(cached_blocks) * self.block_manager.block_size
             num_new = self._chunk(step, seq, num_cached)
             if num_new == 0:
@@ -204,11 +210,12 @@ class Scheduler:
         return max(capped, floor)
 
     def _next_waiting(self, now: float, step: _StepBuilder) -> Sequence | None:
-        """The best waiting sequence; one preempted in this very step is not taken back at once."""
+        """The best waiting sequence; one preempted in this very step is not taken back at once, and one
+        waiting for prefix blocks another request is computing is passed over."""
         if not self.uses_priority:
-            return self.waiting[0]
-        preempted = step.output.preempted_seq_ids
-        candidates = [seq for seq in self.waiting if seq.seq_id not in preempted]
+            return next((seq for seq in self.waiting if seq.seq_id not in step.deferred), None)
+        skipped = set(step.output.preempted_seq_ids) | step.deferred
+        candidates = [seq for seq in self.waiting if seq.seq_id not in skipped]
         return min(candidates, key=lambda seq: self._waiting_key(seq, now), default=None)
 
     def _waiting_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
