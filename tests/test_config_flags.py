@@ -53,6 +53,7 @@ def test_slo_policy_alone_gets_the_documented_step_target() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--scheduling-policy", "slo", "--itl-slo-ms", "-5"], "itl_slo_ms must be positive"),
+    (["--scheduling-policy", "slo", "--itl-slo-ms", "soon"], "itl_slo_ms: could not convert"),
     (["--block-size", "many"], "invalid int value"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "between 1 and 16"),
     (["--speculative-config", "ngram"], "not valid JSON"),

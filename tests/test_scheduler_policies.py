@@ -135,6 +135,22 @@ def test_slo_policy_caps_prefill_chunks_to_the_itl_target() -> None:
     assert sum(chunks) == 200
 
 
+def test_slo_policy_auto_target_follows_the_decode_batch() -> None:
+    """auto (the slo default): twice the step's decodes alone. 10 ms per step + 0.5 ms per token: with 3
+    decodes that is 2 x 11.5 = 23 ms, room for 23 prefill tokens; with 6 decodes 2 x 13 = 26 ms, 26 tokens."""
+    for num_decoders, expected in ((3, 23), (6, 26)):
+        scheduler = make(policy="slo", budget=256, cost_model=fixed_cost_model(0.010, 0.0005))
+        assert scheduler.config.itl_slo_ms == "auto"
+        decoders = [sequence(4, arrival=float(i)) for i in range(num_decoders)]
+        for seq in decoders:
+            scheduler.add(seq)
+        step(scheduler)
+        long_prompt = sequence(200, arrival=10.0)
+        scheduler.add(long_prompt)
+        output = step(scheduler)
+        assert {s.seq_id: s.num_new_tokens for s in output.scheduled}[long_prompt.seq_id] == expected
+
+
 def test_slo_policy_still_progresses_prefills_when_the_target_is_unreachable() -> None:
     scheduler = make(policy="slo", budget=256, itl_slo_ms=5.0, cost_model=fixed_cost_model(0.010, 0.001))
     decoder = sequence(4)

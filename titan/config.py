@@ -10,9 +10,15 @@ from pathlib import Path
 from typing import Any
 
 
-def option(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field that is also a flag `--{flag or field name}` and an `LLM(...)` keyword."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+def option(default: Any, help: str, flag: str | None = None, choices: tuple[str, ...] | None = None,
+           parse: Any = None) -> Any:
+    """A config field that is also a flag `--{flag or field name}` and an `LLM(...)` keyword; `parse` turns
+    the flag's text into the field's value where its type alone cannot (JSON, "auto" or a number)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "parse": parse})
+
+
+def number_or_auto(text: str) -> float | str:
+    return "auto" if text == "auto" else float(text)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -121,9 +127,11 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
-# The slo policy's step target when none is given: about three decode steps of the default model on two
-# cores, so a prefill chunk fits beside the decodes without doubling their token gaps.
-DEFAULT_SLO_ITL_MS = 150.0
+# The slo policy's step target when none is given: derived online, this many times the predicted
+# duration of the step's decodes alone, so a prefill chunk at most doubles their token gap whatever the
+# machine, the model, its kernels and the batch width.
+DEFAULT_SLO_ITL_MS = "auto"
+AUTO_ITL_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -134,8 +142,8 @@ class SchedulerConfig:
     preempt lower-priority running ones, also when `max_num_seqs` is the limit; waiting requests gain
     one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
     so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
-    DEFAULT_SLO_ITL_MS unless given), and within a priority level the prefill with the fewest tokens left
-    goes first.
+    auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
+    prefill with the fewest tokens left goes first.
     """
 
     max_num_batched_tokens: int = option(512, "token budget per step")
@@ -144,8 +152,9 @@ class SchedulerConfig:
                          "priority plus prefill chunks capped to keep steps within --itl-slo-ms",
                          flag="scheduling_policy", choices=SCHEDULING_POLICIES)
     aging_seconds: float = option(10.0, "a waiting request gains one priority level per this many seconds (0: off)")
-    itl_slo_ms: float | None = option(
-        None, f"target step duration for --scheduling-policy slo (default {DEFAULT_SLO_ITL_MS:g})")
+    itl_slo_ms: float | str | None = option(
+        None, "target step duration in ms for --scheduling-policy slo, or auto (its default): "
+              f"{AUTO_ITL_FACTOR:g}x the predicted duration of the step's decodes alone", parse=number_or_auto)
     min_prefill_chunk: int = option(16, "even under the slo cap, the first prefill of a step computes this many "
                                         "tokens")
 
@@ -158,7 +167,9 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {self.policy!r}")
         if self.aging_seconds < 0:
             raise ValueError("aging_seconds must be non-negative (0 disables aging)")
-        if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
+        if isinstance(self.itl_slo_ms, str) and self.itl_slo_ms != "auto":
+            raise ValueError(f"itl_slo_ms must be a number of milliseconds or auto, not {self.itl_slo_ms!r}")
+        if isinstance(self.itl_slo_ms, int | float) and self.itl_slo_ms <= 0:
             raise ValueError("itl_slo_ms must be positive")
         if self.policy == "slo" and self.itl_slo_ms is None:
             object.__setattr__(self, "itl_slo_ms", DEFAULT_SLO_ITL_MS)
@@ -279,7 +290,8 @@ class EngineConfig:
         choices=QUANTIZATION_CHOICES)
     speculative_config: SpeculativeConfig | None = option(
         None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
-              '{"method": "draft_model", "model": "PATH"}; "adaptive": false pins the draft length')
+              '{"method": "draft_model", "model": "PATH"}; "adaptive": false pins the draft length',
+        parse=SpeculativeConfig.parse)
     threads: int | None = option(None, "compute threads for this process (default: the physical cores it may use); "
                                        "split the cores between replicas on one host")
 

@@ -33,6 +33,7 @@ class FlagSpec:
     default: Any
     help: str
     choices: tuple[str, ...] | None
+    parse: Any = None  # text → value, where the type alone cannot parse the flag
 
 
 def _specs_of(cls: type, section: str | None) -> list[FlagSpec]:
@@ -43,7 +44,7 @@ def _specs_of(cls: type, section: str | None) -> list[FlagSpec]:
             continue
         kind, optional = _unwrap(hints[f.name])
         specs.append(FlagSpec(f.metadata["flag"] or f.name, section, f.name, kind, optional, f.default,
-                              f.metadata["help"], f.metadata["choices"]))
+                              f.metadata["help"], f.metadata["choices"], f.metadata.get("parse")))
     return specs
 
 
@@ -68,19 +69,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         group = groups[spec.section]
         if spec.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default, help=spec.help)
-        elif hasattr(spec.type, "parse"):  # a JSON-valued flag (--speculative-config)
-            group.add_argument(flag, type=_json_flag(spec.type), default=spec.default, help=spec.help)
+        elif spec.parse is not None:  # --speculative-config JSON, --itl-slo-ms auto|N
+            group.add_argument(flag, type=_parsed_flag(spec.parse, spec.name), default=spec.default, help=spec.help)
         else:
             group.add_argument(flag, type=spec.type, default=spec.default, choices=spec.choices, help=spec.help)
 
 
-def _json_flag(kind: Any) -> Any:
+def _parsed_flag(parser: Any, name: str) -> Any:
     def parse(text: str) -> Any:
         try:
-            return kind.parse(text)
+            return parser(text)
         except (TypeError, ValueError) as error:
-            raise argparse.ArgumentTypeError(str(error)) from error
-    parse.__name__ = kind.__name__
+            raise argparse.ArgumentTypeError(f"{name}: {error}") from error
+    parse.__name__ = name
     return parse
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import math
 
 from titan.config import AdmissionConfig, SchedulerConfig
-from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.cost_model import StepCostModel, StepShape, step_target_seconds
 from titan.engine.sequence import Sequence
 
 
@@ -40,8 +40,7 @@ class AdmissionController:
         self.scheduling = scheduling
         self.max_num_batched_tokens = scheduling.max_num_batched_tokens
         # The slo policy's step target: prefill then runs in capped chunks beside the decodes.
-        slo = scheduling.policy == "slo" and scheduling.itl_slo_ms is not None
-        self.itl_target_seconds = scheduling.itl_slo_ms / 1000.0 if slo else None
+        self.itl_slo_ms = scheduling.itl_slo_ms if scheduling.policy == "slo" else None
         self.rejections: dict[str, int] = {}
         self.degradations: dict[str, int] = {}
 
@@ -63,8 +62,9 @@ class AdmissionController:
         if not self.cost_model.ready or tokens <= 0:
             return 0.0
         chunk = max(self.max_num_batched_tokens - decodes.num_tokens, 1)
-        if self.itl_target_seconds is not None and decodes.num_sequences > 0:
-            chunk = max(self.cost_model.max_chunk(decodes, 0, chunk, self.itl_target_seconds),
+        target = step_target_seconds(self.itl_slo_ms, self.cost_model, decodes)
+        if target is not None and decodes.num_sequences > 0:
+            chunk = max(self.cost_model.max_chunk(decodes, 0, chunk, target),
                         min(self.scheduling.min_prefill_chunk, chunk))
         full_steps, rest = divmod(tokens, chunk)
         last = self.cost_model.predict(decodes.plus(rest, 0)) if rest else 0.0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from titan.config import AUTO_ITL_FACTOR
 from titan.engine.scheduler_output import ScheduledSequence
 
 
@@ -95,6 +96,19 @@ class StepCostModel:
             else:
                 high = middle - 1
         return low
+
+
+def step_target_seconds(itl_slo_ms: float | str | None, cost_model: StepCostModel,
+                        decodes: StepShape) -> float | None:
+    """The slo policy's step target for a step whose decodes alone have shape `decodes`: the given number,
+    or with auto AUTO_ITL_FACTOR x their predicted duration (None until the model is fitted)."""
+    if itl_slo_ms is None:
+        return None
+    if itl_slo_ms != "auto":
+        return float(itl_slo_ms) / 1000.0
+    if not cost_model.ready or decodes.num_sequences == 0:
+        return None
+    return AUTO_ITL_FACTOR * cost_model.predict(decodes)
 
 
 def shape_of(scheduled: list[ScheduledSequence]) -> StepShape:

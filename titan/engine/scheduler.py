@@ -14,7 +14,7 @@ from collections import deque
 
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager, cdiv
-from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.cost_model import StepCostModel, StepShape, step_target_seconds
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence, SequenceStatus
 from titan.engine.spec.planner import SpeculationPlanner
@@ -39,6 +39,7 @@ class _StepBuilder:
         self.has_prefill = False
         self.has_decode = False  # someone in this step is mid-stream, waiting for its next token
         self.deferred: set[int] = set()  # waiting sequences that wait for prefix blocks being computed
+        self.decode_shape = StepShape()  # the running decodes alone (the auto step target follows them)
 
     def add(self, scheduled: ScheduledSequence) -> None:
         self.output.scheduled.append(scheduled)
@@ -140,8 +141,11 @@ class Scheduler:
             deferred = [seq for seq in prefills if self._prefill_key(seq, now) > best_waiting]
             prefills = prefills[:len(prefills) - len(deferred)]
         drafts = self._plan_drafts(decodes)
-        for seq in decodes + prefills:
+        for seq in decodes:
             self._schedule_running(step, seq, drafts.get(seq.seq_id, 0))
+        step.decode_shape = step.shape
+        for seq in prefills:
+            self._schedule_running(step, seq)
 
         # fcfs: a step that had to preempt admits nothing new, memory is already short.
         while self.waiting and step.budget > 0 and (self.uses_priority or not step.output.preempted_seq_ids):
@@ -203,7 +207,9 @@ class Scheduler:
         # just delay first tokens by chunking.
         if num_new <= 1 or self.config.policy != "slo" or self.cost_model is None or not step.has_decode:
             return num_new
-        target = self.config.itl_slo_ms / 1000.0
+        target = step_target_seconds(self.config.itl_slo_ms, self.cost_model, step.decode_shape)
+        if target is None:
+            return num_new
         capped = self.cost_model.max_chunk(step.shape, start, num_new, target)
         # Prefills still progress: the first prefill of every step gets at least the minimum chunk.
         floor = 0 if step.has_prefill else min(num_new, self.config.min_prefill_chunk)
