@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -35,8 +36,9 @@ class MemoryStore:
 
     name = "memory"
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
+        self.clock = clock
         self.used = 0
         self.entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
 
@@ -49,7 +51,7 @@ class MemoryStore:
         if entry is None:
             return None
         expires, value = entry
-        if time.monotonic() >= expires:
+        if self.clock() >= expires:
             self._drop(key)
             return None
         self.entries.move_to_end(key)
@@ -63,7 +65,7 @@ class MemoryStore:
             self._drop(key)
         while self.used + size > self.max_bytes:
             self._drop(next(iter(self.entries)))
-        self.entries[key] = (time.monotonic() + ttl_seconds, value)
+        self.entries[key] = (self.clock() + ttl_seconds, value)
         self.used += size
 
     async def close(self) -> None:
