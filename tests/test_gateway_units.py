@@ -152,3 +152,22 @@ def test_guardrails_file_errors(tmp_path: Path) -> None:
         path.write_text(text)
         with pytest.raises(GuardrailsConfigError, match=needle):
             load_guardrails(path)
+
+
+def test_a_tenant_priority_class_is_a_floor() -> None:
+    from starlette.requests import Request
+
+    from titan.server.gateway import Gateway
+    from titan.server.gateway_metrics import GatewayMetrics
+    from titan.server.tenants import SCOPE_KEY
+
+    registry = TenantRegistry(parse_tenants({"keys": [{"key": "b", "tenant": "b", "priority": "batch"},
+                                                      {"key": "i", "tenant": "i"}]}))
+    gateway = Gateway(GatewayMetrics())
+
+    def priority(key: str, asked: int) -> int:
+        scope = {"type": "http", "headers": [], "state": {SCOPE_KEY: registry.authenticate(key)}}
+        return gateway.priority(Request(scope), asked)
+
+    assert priority("b", 0) == 1 and priority("b", 5) == 5  # batch may go lower, never above its class
+    assert priority("i", 0) == 0 and priority("i", 1) == 1

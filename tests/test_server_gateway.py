@@ -108,6 +108,9 @@ def test_semantic_cache_answers_a_paraphrase_but_not_a_near_miss(server: ServerP
     assert ask("What is the capital of France?") == "miss"
     assert ask("What's the capital city of France?") == "semantic-hit"
     assert ask("What is the capital of Germany?") == "miss"
+    # A request that asks for what cannot be done is told so, not silently served uncached.
+    refused = complete(server, ALPHA, prompt=[1, 2, 3], titan_semantic_cache=True)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "titan_semantic_cache"
 
 
 def test_rate_limit_headers_and_429s(server: ServerProcess) -> None:
@@ -133,6 +136,9 @@ def test_rate_limit_headers_and_429s(server: ServerProcess) -> None:
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
     limited = server.metric_samples("titan:tenant_rate_limited_total")
     assert {s.labels["tenant"] for s in limited} >= {"slow", "thrifty"}
+    charged = {(s.labels["tenant"], s.labels["kind"]): s.value
+               for s in server.metric_samples("titan:tenant_tokens_total")}
+    assert charged[("thrifty", "completion")] == 12 and charged[("thrifty", "prompt")] == 5
 
 
 def test_concurrent_limit_is_a_429_while_a_stream_runs(server: ServerProcess) -> None:
@@ -220,7 +226,7 @@ def test_semantic_labelled_set_hit_and_false_hit_rates() -> None:
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed (.ci/run installs Debian's)")
 def test_redis_shared_by_two_replicas_through_the_router_and_redis_dying() -> None:
     with RedisProcess() as redis:
-        args = [*BASE, "--result-cache", "--cache-url", redis.url]
+        args = [*BASE, "--result-cache", "--semantic-cache", "--cache-url", redis.url]
         env = {"OMP_NUM_THREADS": "1"}
         with ServerProcess(args, env=env) as one, ServerProcess(args, env=env) as two, \
                 RouterProcess([one.url, two.url], ["--policy", "round-robin", "--health-interval", "0.2"]) as router:
@@ -229,10 +235,18 @@ def test_redis_shared_by_two_replicas_through_the_router_and_redis_dying() -> No
             assert [r.headers["x-titan-cache"] for r in replies] == ["miss", "hit"]
             assert replies[0].headers["x-titan-router-backend"] != replies[1].headers["x-titan-router-backend"]
             assert replies[0].json()["choices"] == replies[1].json()["choices"]
+            # The semantic cache's vectors live in Redis too: a paraphrase sent to the other replica hits.
+            asked = []
+            for question in ("What is the capital of France?", "What's the capital city of France?"):
+                reply = httpx.post(router.url + "/v1/chat/completions", timeout=300, json={
+                    "messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0,
+                    "titan_semantic_cache": True})
+                asked.append((reply.headers["x-titan-cache"], reply.headers["x-titan-router-backend"]))
+            assert [kind for kind, _ in asked] == ["miss", "semantic-hit"] and asked[0][1] != asked[1][1]
             redis.stop()  # Redis dies mid-run: both replicas keep serving, uncached, and say so
             for server in (one, two):
                 reply = httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 3}, timeout=300)
                 assert reply.status_code == 200 and reply.headers["x-titan-cache"] == "miss"
-                up = server.metric_samples("titan:cache_backend_up")
-                assert [s.value for s in up] == [0.0]
+                up = {s.labels["cache"]: s.value for s in server.metric_samples("titan:cache_backend_up")}
+                assert up["result"] == 0.0
                 assert "cache backend redis unavailable" in server.log()

@@ -77,8 +77,9 @@ class RedisStore:
 
     name = "redis"
 
-    def __init__(self, url: str, metrics: GatewayMetrics, prefix: str = "titan:cache:",
+    def __init__(self, url: str, metrics: GatewayMetrics, cache: str = "result", prefix: str = "titan:cache:",
                  timeout_seconds: float = 0.25, retry_seconds: float = 1.0) -> None:
+        self.cache = cache  # which cache this store serves (result | semantic): a metrics label
         self.client = aioredis.from_url(url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
                                         retry_on_timeout=False)
         self.url = url
@@ -87,24 +88,25 @@ class RedisStore:
         self.retry_seconds = retry_seconds
         self.down_until = 0.0
         self.up = True
-        metrics.cache_backend_up.labels(self.name).set(1)
+        metrics.cache_backend_up.labels(self.name, cache).set(1)
 
     def _available(self) -> bool:
         return self.up or time.monotonic() >= self.down_until
 
     def _failed(self, error: Exception) -> None:
-        self.metrics.cache_backend_errors.labels(self.name).inc()
+        self.metrics.cache_backend_errors.labels(self.name, self.cache).inc()
         self.down_until = time.monotonic() + self.retry_seconds
         if self.up:
             self.up = False
-            self.metrics.cache_backend_up.labels(self.name).set(0)
-            logger.warning("cache backend %s unavailable (%s): serving without the cache", self.name, error)
+            self.metrics.cache_backend_up.labels(self.name, self.cache).set(0)
+            logger.warning("cache backend %s unavailable for the %s cache (%s): serving without it", self.name,
+                           self.cache, error)
 
     def _succeeded(self) -> None:
         if not self.up:
             self.up = True
-            self.metrics.cache_backend_up.labels(self.name).set(1)
-            logger.warning("cache backend %s is back", self.name)
+            self.metrics.cache_backend_up.labels(self.name, self.cache).set(1)
+            logger.warning("cache backend %s is back for the %s cache", self.name, self.cache)
 
     async def get(self, key: str) -> bytes | None:
         if not self._available():

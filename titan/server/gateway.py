@@ -117,14 +117,22 @@ class Gateway:
                     plan.hit, plan.hit_kind = entry, "hit"
                     self.metrics.cache_tokens_saved.labels("result").inc(entry["usage"]["total_tokens"])
                     return plan
-        if self.semantic is not None and getattr(body, "titan_semantic_cache", False) and not opted_out:
+        if getattr(body, "titan_semantic_cache", False) and not opted_out:
+            if self.semantic is None:
+                raise semantic_unavailable("this server runs without --semantic-cache")
             plan.semantic_key = self.semantic.scope_of(scope, model, route, info)
-            if plan.semantic_key is not None:
-                entry = await self.semantic.lookup(plan.semantic_key, route)
-                if entry is not None:
-                    plan.hit, plan.hit_kind = entry, "semantic-hit"
-                    self.metrics.cache_tokens_saved.labels("semantic").inc(entry["usage"]["total_tokens"])
+            if plan.semantic_key is None:
+                raise semantic_unavailable("it needs one text prompt, or a conversation ending with a user message")
+            entry = await self.semantic.lookup(plan.semantic_key, route)
+            if entry is not None:
+                plan.hit, plan.hit_kind = entry, "semantic-hit"
+                self.metrics.cache_tokens_saved.labels("semantic").inc(entry["usage"]["total_tokens"])
         return plan
+
+
+def semantic_unavailable(why: str) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, f"titan_semantic_cache cannot be honoured: {why}.",
+                    param="titan_semantic_cache", code="unsupported_parameter")
 
 
 def input_texts(route: GenerationRoute, info: EngineInfo) -> list[str]:
@@ -221,4 +229,5 @@ class RequestPlan:
 def hit_body(plan: RequestPlan, request_id: str, route_object: str, created: int, model: str) -> bytes:
     assert plan.hit is not None
     return json.dumps({"id": request_id, "object": route_object, "created": created, "model": model,
-                       "choices": plan.hit["choices"], "usage": plan.hit["usage"]}).encode()
+                       "choices": plan.hit["choices"], "usage": plan.hit["usage"]},
+                      ensure_ascii=False, separators=(",", ":")).encode()

@@ -34,10 +34,10 @@ class GatewayMetrics:
                                       buckets=LOOKUP_BUCKETS, registry=r)
         self.cache_backend_up = Gauge(PREFIX + "cache_backend_up",
                                       "1 while the cache backend answers, 0 while the server runs without it.",
-                                      ["backend"], registry=r)
+                                      ["backend", "cache"], registry=r)
         self.cache_backend_errors = Counter(PREFIX + "cache_backend_errors_total",
                                             "Cache backend operations that failed (the request went on uncached).",
-                                            ["backend"], registry=r)
+                                            ["backend", "cache"], registry=r)
         self.guardrail_matches = Counter(PREFIX + "guardrail_matches_total",
                                          "Guardrail filter matches, by filter, stage (input/output) and action.",
                                          ["filter", "stage", "action"], registry=r)

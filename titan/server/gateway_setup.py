@@ -40,17 +40,18 @@ def build_gateway(args: argparse.Namespace) -> tuple[Gateway | None, TenantRegis
         except (OSError, GuardrailsConfigError) as error:
             raise GatewaySetupError(f"--guardrails: {error}") from error
 
-    def new_store(prefix: str) -> CacheStore:
+    def new_store(cache: str) -> CacheStore:
         if args.cache_url:
-            return RedisStore(args.cache_url, metrics, prefix=prefix, timeout_seconds=args.cache_timeout_ms / 1000)
+            return RedisStore(args.cache_url, metrics, cache, prefix=f"titan:{cache}:",
+                              timeout_seconds=args.cache_timeout_ms / 1000)
         return MemoryStore(args.result_cache_memory)
 
-    store = new_store("titan:result:") if args.result_cache else None
+    store = new_store("result") if args.result_cache else None
     semantic = None
     if args.semantic_cache:
         from titan.server.semantic_cache import SemanticCache  # loads the embedding model's libraries
 
-        semantic = SemanticCache(metrics, new_store("titan:semantic:"), args.semantic_cache_threshold,
+        semantic = SemanticCache(metrics, new_store("semantic"), args.semantic_cache_threshold,
                                  args.semantic_cache_entries, args.result_cache_ttl, redis_url=args.cache_url)
     if tenants is None and store is None and guardrails is None and semantic is None:
         return None, None  # nothing on: requests take the plain path

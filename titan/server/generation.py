@@ -106,6 +106,9 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
     check_model(body.model, [state.model_name])
     body.check()
     gateway: Gateway | None = getattr(request.app.state, "gateway", None)
+    if gateway is None and body.titan_semantic_cache:
+        raise bad_request("titan_semantic_cache cannot be honoured: this server runs without --semantic-cache.",
+                          param="titan_semantic_cache", code="unsupported_parameter")
     input_flags = gateway.admit(request, route, state.model_name, info) if gateway is not None else []
     if route.num_sequences() > state.max_sequences_per_request:
         param = "n" if body.n > 1 else "prompt"

@@ -68,6 +68,12 @@ class Embedder:
 
 
 @dataclass
+class ScopeIndex:
+    index: Any  # usearch.index.Index, cosine metric
+    ids: dict[int, str]  # index label → the stored entry's id
+
+
+@dataclass
 class SemanticQuery:
     scope: str
     text: str
@@ -84,8 +90,9 @@ class SemanticCache:
         self.ttl_seconds = ttl_seconds
         self.embedder = Embedder()
         self.redis_url = redis_url
-        self.indexes: dict[str, tuple[Any, list[str]]] = {}  # scope → (usearch index, entry id by label)
+        self.indexes: dict[str, ScopeIndex] = {}
         self.order: deque[tuple[str, int]] = deque()  # (scope, label), oldest first: the eviction order
+        self.next_label = 0
 
     def start(self) -> None:
         started = time.perf_counter()
@@ -140,14 +147,13 @@ class SemanticCache:
             best = int(np.argmax(scores))
             return ids[best] if scores[best] >= self.threshold else None
         found = self.indexes.get(scope)
-        if found is None or len(found[0]) == 0:
+        if found is None or not found.ids:
             return None
-        index, ids = found
-        matches = index.search(vector, 1)
+        matches = found.index.search(vector, 1)
         if len(matches.keys) == 0:
             return None
         similarity = 1.0 - float(matches.distances[0])  # usearch's cos metric is a distance
-        return ids[int(matches.keys[0])] if similarity >= self.threshold else None
+        return found.ids.get(int(matches.keys[0])) if similarity >= self.threshold else None
 
     async def store(self, query: SemanticQuery, choices: list[dict[str, Any]], usage: dict[str, int]) -> None:
         vector = query.vector
@@ -160,16 +166,21 @@ class SemanticCache:
             return
         from usearch.index import Index
 
-        if query.scope not in self.indexes:
-            self.indexes[query.scope] = (Index(ndim=vector.shape[0], metric="cos"), [])
-        index, ids = self.indexes[query.scope]
-        label = len(ids)
-        ids.append(entry_id)
-        index.add(label, vector)
+        found = self.indexes.get(query.scope)
+        if found is None:
+            found = self.indexes[query.scope] = ScopeIndex(Index(ndim=vector.shape[0], metric="cos"), {})
+        label, self.next_label = self.next_label, self.next_label + 1
+        found.ids[label] = entry_id
+        found.index.add(label, vector)
         self.order.append((query.scope, label))
+        # One bound over every scope: the oldest entry goes first, and an emptied scope with it.
         while len(self.order) > self.max_entries:
             old_scope, old_label = self.order.popleft()
-            self.indexes[old_scope][0].remove(old_label)
+            old = self.indexes[old_scope]
+            old.index.remove(old_label)
+            del old.ids[old_label]
+            if not old.ids:
+                del self.indexes[old_scope]
 
     async def store_value(self, entry_id: str, value: bytes) -> None:
         await self.values.set(entry_id, value, self.ttl_seconds)
