@@ -29,6 +29,7 @@ from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
 from titan.server.completions import create_completion
 from titan.server.errors import bad_request, install_error_handlers, validation_error
+from titan.server.gateway import Gateway
 from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.server.middleware import APIKeyCheck, BodySizeLimit
 from titan.server.openapi import ERROR_RESPONSES, install_openapi, json_body
@@ -42,6 +43,7 @@ from titan.server.protocol import (
     template_messages,
 )
 from titan.server.serving import ServerState, tokenize
+from titan.server.tenants import TenantGate, TenantRegistry
 from titan.version import titan_version
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -82,6 +84,8 @@ def build_app(
     metrics_require_key: bool = False,
     tool_call_parser: str = "hermes",
     log_requests: bool = False,
+    gateway: Gateway | None = None,
+    tenants: TenantRegistry | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread (load + warm-up run in it) and stops it."""
     state = ServerState(engine, served_model_name, max_sequences_per_request, tool_call_parser, log_requests)
@@ -89,11 +93,16 @@ def build_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if gateway is not None:
+            gateway.start()
         yield
         await engine.stop()
+        if gateway is not None:
+            await gateway.close()
 
     app = FastAPI(title="Titan", version=titan_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
+    app.state.gateway = gateway
     install_error_handlers(app)
 
     @app.get("/health")
@@ -117,6 +126,8 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         body = engine.metrics.render() if engine.metrics is not None else b""
+        if gateway is not None:
+            body += gateway.metrics.render()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/steps")
@@ -184,6 +195,9 @@ def build_app(
 
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    if api_key:
+    if tenants is not None:
+        app.add_middleware(TenantGate, registry=tenants, protect_metrics=metrics_require_key,
+                           metrics=gateway.metrics if gateway is not None else None)
+    elif api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key, protect_metrics=metrics_require_key)
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from titan.server.gateway_args import add_gateway_arguments
 from titan.server.limits import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -44,5 +45,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's own log level")
+    add_gateway_arguments(parser)
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                        help="log every HTTP request (at INFO)")

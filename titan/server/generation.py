@@ -13,16 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from titan.engine.llm_engine import EngineInfo
 from titan.engine.outputs import RequestOutput
 from titan.engine.structured import GrammarError
 from titan.server.async_engine import EngineFailed, OutputStream
 from titan.server.errors import bad_request
+from titan.server.gateway import Gateway, RequestPlan, hit_body
 from titan.server.protocol import SamplingRequest, check_model
+from titan.server.result_cache import replay_chunks
 from titan.server.serving import (
     SSE_DONE,
+    SSE_HEADERS,
     Choice,
     ServerState,
     TokenTexts,
@@ -102,11 +105,18 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
     body = route.body
     check_model(body.model, [state.model_name])
     body.check()
+    gateway: Gateway | None = getattr(request.app.state, "gateway", None)
+    if gateway is None and body.titan_semantic_cache:
+        raise bad_request("titan_semantic_cache cannot be honoured: this server runs without --semantic-cache.",
+                          param="titan_semantic_cache", code="unsupported_parameter")
+    input_flags = gateway.admit(request, route, state.model_name, info) if gateway is not None else []
     if route.num_sequences() > state.max_sequences_per_request:
         param = "n" if body.n > 1 else "prompt"
         raise bad_request(f"This request would run {route.num_sequences()} sequences (prompts × n); the limit is "
                           f"{state.max_sequences_per_request} (--max-sequences-per-request).", param=param)
     priority = request_priority(body.priority, request.headers)
+    if gateway is not None:
+        priority = gateway.priority(request, priority)
     route.token_texts = TokenTexts(info.tokenizer)
     if route.wants_logprobs():
         route.texts = route.token_texts
@@ -128,21 +138,33 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
                     params.structured_outputs.kind if params.structured_outputs else None)
     envelope = Envelope(request_id, int(time.time()), state.model_name, route.chunk_object,
                         wants_timeline(body.titan_timeline, request.headers), body.include_usage)
+    plan = None
+    if gateway is not None:
+        plan = await gateway.plan(request, route, prepared, info, state.model_name, input_flags)
+        if plan.hit is not None:
+            return replay_hit(plan, route, envelope, body.stream)
 
     if body.stream:
         stream = await submit(state, request_id, prepared.choices, priority, arrival_time)
-        return sse_response(stream_events(route, prepared, stream, envelope), stream)
+        response = sse_response(stream_events(route, prepared, stream, envelope, plan), stream)
+        response.headers.update(plan.headers() if plan is not None else {})
+        return response
 
     async def run() -> Response:
         stream = await submit(state, request_id, prepared.choices, priority, arrival_time)
         finals = await run_to_completion(stream)
+        if plan is not None:
+            finals = plan.filter_finals(finals)
         entries = [route.whole(choice, finals[choice.index]) | envelope.extras(finals[choice.index])
                    for choice in prepared.choices]
         completion_tokens = sum(route.completion_tokens(output) for output in finals.values())
+        used = usage(prepared.num_prompt_tokens, completion_tokens)
+        headers = degraded_headers(stream)
+        if plan is not None:
+            await plan.finish(entries, used, complete=True)
+            headers |= plan.headers()
         return JSONResponse({"id": request_id, "object": route.object, "created": envelope.created,
-                             "model": envelope.model, "choices": entries,
-                             "usage": usage(prepared.num_prompt_tokens, completion_tokens)},
-                            headers=degraded_headers(stream))
+                             "model": envelope.model, "choices": entries, "usage": used}, headers=headers)
 
     return await until_disconnect(request, run())
 
@@ -176,20 +198,34 @@ class Envelope:
 
 
 async def stream_events(route: GenerationRoute, prepared: Prepared, stream: OutputStream,
-                        envelope: Envelope) -> AsyncIterator[bytes]:
+                        envelope: Envelope, plan: RequestPlan | None = None) -> AsyncIterator[bytes]:
     choices = {choice.index: choice for choice in prepared.choices}
     completion_tokens = 0
+    finals: dict[int, RequestOutput] = {}
     try:
         for entry in route.opening(prepared):
             yield envelope.chunk(entry)
-        async for output in stream:
-            choice = choices[choice_index(output.request_id)]
+        async for engine_output in stream:
+            choice = choices[choice_index(engine_output.request_id)]
+            # Output guardrails: only released text goes on; a choice cut by a block sends nothing more.
+            output = plan.filter_output(choice.index, engine_output) if plan is not None else engine_output
+            if output is None:
+                continue
             entry = route.delta(choice, output)
             if entry is not None:
                 yield envelope.chunk(entry)
             if output.finished:
-                completion_tokens += route.completion_tokens(output)
-                yield envelope.chunk({"index": choice.index} | route.finish(output) | envelope.extras(output))
+                finals[choice.index] = output
+                completion_tokens += route.completion_tokens(engine_output)
+                extras = envelope.extras(output)
+                if plan is not None and plan.choice_flags(choice.index):
+                    extras["titan_guardrail"] = plan.choice_flags(choice.index)
+                yield envelope.chunk({"index": choice.index} | route.finish(output) | extras)
+                if len(finals) == len(choices):
+                    break  # every choice ended (a blocked one may still be running in the engine)
+        if plan is not None and len(finals) == len(choices):
+            entries = [route.whole(choices[index], finals[index]) for index in sorted(finals)]
+            await plan.finish(entries, usage(prepared.num_prompt_tokens, completion_tokens), complete=True)
         if envelope.include_usage:
             yield sse({"id": envelope.request_id, "object": envelope.chunk_object, "created": envelope.created,
                        "model": envelope.model, "choices": [],
@@ -198,4 +234,26 @@ async def stream_events(route: GenerationRoute, prepared: Prepared, stream: Outp
         yield sse_error(error)
     finally:
         stream.abort()
+        if plan is not None:
+            plan.charge(usage(prepared.num_prompt_tokens, completion_tokens))  # once: a no-op after finish
     yield SSE_DONE
+
+
+def replay_hit(plan: RequestPlan, route: GenerationRoute, envelope: Envelope, stream: bool) -> Response:
+    """A cached response: the stored choices and usage under a new id, whole or as a normal SSE stream."""
+    assert plan.hit is not None
+    stored_usage = plan.hit["usage"]
+    plan.charge(stored_usage)
+    if not stream:
+        return Response(hit_body(plan, envelope.request_id, route.object, envelope.created, envelope.model),
+                        media_type="application/json", headers=plan.headers())
+
+    async def events() -> AsyncIterator[bytes]:
+        for entry in replay_chunks(envelope.chunk_object, plan.hit["choices"]):
+            yield envelope.chunk(entry)
+        if envelope.include_usage:
+            yield sse({"id": envelope.request_id, "object": envelope.chunk_object, "created": envelope.created,
+                       "model": envelope.model, "choices": [], "usage": stored_usage})
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS | plan.headers())

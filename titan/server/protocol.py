@@ -85,6 +85,9 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     # Titan extension: return each choice's timeline (queued, prefill chunks, decode, stalls) when it finishes.
     titan_timeline: bool = False
+    # Titan extensions: false opts this request out of the result/semantic caches; true opts into the semantic one.
+    titan_cache: bool | None = None
+    titan_semantic_cache: bool = False
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: each choice gets the prompt tokens' logprobs (not streamed)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.

@@ -30,6 +30,7 @@ from titan.engine.llm_engine import LLMEngine
 from titan.loader import ModelNotFoundError, resolve_model_path
 from titan.server.app import build_app
 from titan.server.async_engine import AsyncEngine
+from titan.server.gateway_setup import GatewaySetupError, build_gateway
 from titan.server.http_protocol import JSONErrorH11Protocol
 from titan.server.serving import ServerState
 
@@ -160,10 +161,15 @@ def run_server(args: argparse.Namespace) -> int:
     except OSError as error:
         say(f"cannot read --api-key-file: {error}")
         return 2
+    try:
+        gateway, tenants = build_gateway(args)
+    except GatewaySetupError as error:
+        say(str(error))
+        return 2
     engine = AsyncEngine(lambda: LLMEngine(config), warmup=args.warmup)
     app = build_app(engine, args.served_model_name, api_key, args.max_request_body_bytes,
                     args.max_sequences_per_request, args.metrics_require_key, args.tool_call_parser,
-                    args.enable_log_requests)
+                    args.enable_log_requests, gateway, tenants)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_CLOSE_SECONDS, lifespan="on",

@@ -1,0 +1,233 @@
+"""What sits between HTTP and the engine for one request: tenant checks, input and output guardrails,
+the result and semantic caches, and the tenant's token charge.
+
+`handle_generation` asks the `Gateway` (on `app.state.gateway`, None when no feature is on) for a
+`RequestPlan` once the prompts are tokenized; the plan answers from a cache or lets the request run,
+filters what leaves, stores the response and charges its tokens. Nothing here touches engine state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from titan.engine.outputs import RequestOutput
+from titan.server.cache_store import CacheStore
+from titan.server.errors import APIError
+from titan.server.gateway_metrics import GatewayMetrics
+from titan.server.guardrails import FLAG_HEADER, Guardrails, OutputFilter, check_input
+from titan.server.result_cache import CACHE_HEADER, cache_key, decode_entry, deterministic, encode_entry
+from titan.server.serving import PRIORITY_CLASSES
+from titan.server.tenants import Tenant, tenant_of
+
+if TYPE_CHECKING:
+    from titan.engine.llm_engine import EngineInfo
+    from titan.server.generation import GenerationRoute, Prepared
+    from titan.server.semantic_cache import SemanticCache
+
+logger = logging.getLogger("titan.server")
+
+
+def content_filtered(message: str, param: str) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code="content_filter")
+
+
+@dataclass
+class Gateway:
+    metrics: GatewayMetrics
+    store: CacheStore | None = None  # the result cache's store; None: no result cache
+    ttl_seconds: float = 300.0
+    shared: bool = False  # cache entries shared across tenants
+    guardrails: Guardrails | None = None
+    semantic: SemanticCache | None = None
+
+    def start(self) -> None:
+        if self.semantic is not None:
+            self.semantic.start()
+
+    async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+        if self.semantic is not None:
+            await self.semantic.close()
+
+    def tenant(self, request: Request) -> Tenant | None:
+        return tenant_of(request.scope)
+
+    def admit(self, request: Request, route: GenerationRoute, model: str, info: EngineInfo) -> list[str]:
+        """Tenant model allow-list, then the input filters (400 on block); returns the input flags."""
+        tenant = self.tenant(request)
+        if tenant is not None:
+            tenant.check_model(model)
+        if self.guardrails is None or not self.guardrails.input:
+            return []
+        texts = input_texts(route, info)
+        param = "messages" if hasattr(route.body, "messages") else "prompt"
+        flags: list[str] = []
+        for text in texts:
+            for match in check_input(self.guardrails.input, text):
+                rule = match.rule
+                self.metrics.guardrail_matches.labels(rule.name, "input", rule.action).inc()
+                if rule.action == "block":
+                    raise content_filtered(f"The input was refused by the {rule.name} filter.", param)
+                flags.append(f"input:{rule.name}")
+        return sorted(set(flags))
+
+    def priority(self, request: Request, priority: int) -> int:
+        """A tenant's class is a floor: a batch tenant cannot ask for interactive priority."""
+        tenant = self.tenant(request)
+        if tenant is None or tenant.spec.priority is None:
+            return priority
+        return max(priority, PRIORITY_CLASSES[tenant.spec.priority])
+
+    async def plan(self, request: Request, route: GenerationRoute, prepared: Prepared, info: EngineInfo,
+                   model: str, input_flags: list[str]) -> RequestPlan:
+        body = route.body
+        tenant = self.tenant(request)
+        plan = RequestPlan(self, tenant, input_flags)
+        if self.guardrails is not None and self.guardrails.output:
+            if route.wants_logprobs():
+                raise APIError(HTTPStatus.BAD_REQUEST, "logprobs cannot be combined with output guardrails (they "
+                               "would reveal filtered text)", param="logprobs", code="unsupported_parameter")
+            plan.filters = {choice.index: OutputFilter(self.guardrails.output) for choice in prepared.choices}
+        opted_out = getattr(body, "titan_cache", None) is False
+        cacheable = (not opted_out and not body.titan_timeline
+                     and all(deterministic(choice.params) for choice in prepared.choices))
+        scope = "*" if self.shared or tenant is None else f"tenant:{tenant.name}"
+        if self.store is not None:
+            if not cacheable:
+                self.metrics.cache_requests.labels("result", "skip").inc()
+            else:
+                dumped = body.model_dump(mode="json", exclude_none=True) | dict(body.model_extra or {})
+                prompts = [choice.prompt_token_ids for choice in prepared.choices]
+                plan.key = cache_key(scope, model, route.object, dumped, prompts, info.sampling_defaults)
+                started = time.perf_counter()
+                raw = await self.store.get(plan.key)
+                self.metrics.cache_lookup.labels("result").observe(time.perf_counter() - started)
+                entry = decode_entry(raw) if raw is not None else None
+                self.metrics.cache_requests.labels("result", "hit" if entry else "miss").inc()
+                if entry is not None:
+                    plan.hit, plan.hit_kind = entry, "hit"
+                    self.metrics.cache_tokens_saved.labels("result").inc(entry["usage"]["total_tokens"])
+                    return plan
+        if getattr(body, "titan_semantic_cache", False) and not opted_out:
+            if self.semantic is None:
+                raise semantic_unavailable("this server runs without --semantic-cache")
+            plan.semantic_key = self.semantic.scope_of(scope, model, route, info)
+            if plan.semantic_key is None:
+                raise semantic_unavailable("it needs one text prompt, or a conversation ending with a user message")
+            entry = await self.semantic.lookup(plan.semantic_key, route)
+            if entry is not None:
+                plan.hit, plan.hit_kind = entry, "semantic-hit"
+                self.metrics.cache_tokens_saved.labels("semantic").inc(entry["usage"]["total_tokens"])
+        return plan
+
+
+def semantic_unavailable(why: str) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, f"titan_semantic_cache cannot be honoured: {why}.",
+                    param="titan_semantic_cache", code="unsupported_parameter")
+
+
+def input_texts(route: GenerationRoute, info: EngineInfo) -> list[str]:
+    body: Any = route.body
+    if hasattr(body, "messages"):
+        return [message.get("content") or "" for message in body.template_messages()]
+    return [p if isinstance(p, str) else info.tokenizer.decode(p) for p in body.prompts()]
+
+
+@dataclass
+class RequestPlan:
+    gateway: Gateway
+    tenant: Tenant | None
+    input_flags: list[str]
+    key: str | None = None  # the result cache's key; None: not cacheable
+    semantic_key: Any = None  # the semantic cache's scope and query embedding
+    hit: dict[str, Any] | None = None  # the stored {"choices", "usage"} on a hit
+    hit_kind: str = ""
+    filters: dict[int, OutputFilter] = field(default_factory=dict)
+    charged: bool = False
+
+    def headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self.hit is not None:
+            headers[CACHE_HEADER] = self.hit_kind
+        elif self.key is not None or self.semantic_key is not None:
+            headers[CACHE_HEADER] = "miss"
+        flags = self.input_flags + self.output_flags()
+        if flags:
+            headers[FLAG_HEADER] = ", ".join(flags)
+        return headers
+
+    def output_flags(self) -> list[str]:
+        names = {f"output:{m.rule.name}" for f in self.filters.values() for m in f.matches}
+        return sorted(names)
+
+    def choice_flags(self, index: int) -> list[str]:
+        found = self.filters.get(index)
+        return sorted({m.rule.name for m in found.matches}) if found is not None else []
+
+    # ---- output filtering ----------------------------------------------------------------------
+    def filter_output(self, index: int, output: RequestOutput) -> RequestOutput | None:
+        """The output as it may leave (released text only); None once the choice was cut by a block."""
+        filt = self.filters.get(index)
+        if filt is None:
+            return output
+        if filt.blocked is not None:
+            return None
+        before = len(filt.matches)
+        released = filt.feed(output.new_text, final=output.finished)
+        for match in filt.matches[before:]:
+            self.gateway.metrics.guardrail_matches.labels(match.rule.name, "output", match.rule.action).inc()
+        if filt.blocked is not None:
+            return dataclasses.replace(output, new_text=released, finished=True, finish_reason="content_filter",
+                                       text=filt.text, new_logprobs=None, logprobs=None)
+        return dataclasses.replace(output, new_text=released, text=filt.text if output.finished else output.text)
+
+    def filter_finals(self, finals: dict[int, RequestOutput]) -> dict[int, RequestOutput]:
+        if not self.filters:
+            return finals
+        filtered = {}
+        for index, output in finals.items():
+            whole = dataclasses.replace(output, new_text=output.text)
+            result = self.filter_output(index, whole)
+            filtered[index] = result if result is not None else output
+        return filtered
+
+    # ---- completion ----------------------------------------------------------------------------
+    def charge(self, usage: dict[str, int]) -> None:
+        if self.charged or self.tenant is None:
+            return
+        self.charged = True
+        self.tenant.charge_tokens(usage["total_tokens"])
+        metrics = self.gateway.metrics
+        metrics.tenant_tokens.labels(self.tenant.label, "prompt").inc(usage["prompt_tokens"])
+        metrics.tenant_tokens.labels(self.tenant.label, "completion").inc(usage["completion_tokens"])
+
+    async def finish(self, choices: list[dict[str, Any]], usage: dict[str, int], complete: bool) -> None:
+        """Charge the tenant; store a complete response (every choice ended by stop, length or a filter)."""
+        self.charge(usage)
+        if not complete or self.hit is not None:
+            return
+        reasons = {choice.get("finish_reason") for choice in choices}
+        if "abort" in reasons or None in reasons:
+            return
+        stored = [{k: v for k, v in choice.items() if k not in ("titan_timeline", "titan_degraded")}
+                  for choice in choices]
+        if self.key is not None and self.gateway.store is not None:
+            await self.gateway.store.set(self.key, encode_entry(stored, usage), self.gateway.ttl_seconds)
+        if self.semantic_key is not None and self.gateway.semantic is not None:
+            await self.gateway.semantic.store(self.semantic_key, stored, usage)
+
+
+def hit_body(plan: RequestPlan, request_id: str, route_object: str, created: int, model: str) -> bytes:
+    assert plan.hit is not None
+    return json.dumps({"id": request_id, "object": route_object, "created": created, "model": model,
+                       "choices": plan.hit["choices"], "usage": plan.hit["usage"]},
+                      ensure_ascii=False, separators=(",", ":")).encode()
