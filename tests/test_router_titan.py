@@ -149,7 +149,9 @@ def run_request(url: str, prompt: str, stream: bool, max_tokens: int, chat: bool
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
-        with httpx.stream("POST", url + path, json=body, timeout=60) as reply:
+        # Generous: a request retried onto a loaded survivor of a 2-core machine may take minutes; the test
+        # is about whether it succeeds, never about how fast.
+        with httpx.stream("POST", url + path, json=body, timeout=600) as reply:
             outcome.backend = reply.headers.get("x-titan-router-backend")
             if reply.status_code != 200:
                 outcome.error = f"{reply.status_code} {reply.read()[:200]!r}"
@@ -266,7 +268,7 @@ def test_killing_a_backend_under_load_fails_only_streams_already_begun(fleet: Fl
         assert victim.process is not None
         victim.process.kill()
         killed = time.monotonic()
-        sentinel_thread.join(60)
+        sentinel_thread.join(600)
         time.sleep(2.0)  # load continues on the survivor
         outcomes = load.stop()
         metrics = scrape(router.url)
