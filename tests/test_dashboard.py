@@ -3,10 +3,15 @@ itself in headless Chromium against a real `titan serve` under a bounded load.""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from harness.router import RouterProcess
 from harness.server import ServerProcess
 from tests.dashboard_browser import dashboard_page, load_until, polls, screenshot, series, wait_polls
 from titan.dashboard.page import asset
@@ -120,3 +125,42 @@ def test_server_dashboard_in_chromium() -> None:
             path = screenshot(page, "dashboard-server.png")
             assert path.stat().st_size > 10_000
             assert problems == []
+
+
+def test_router_dashboard_per_backend_in_chromium(tmp_path: Path) -> None:
+    key_file = tmp_path / "debug-key"
+    key_file.write_text("router-key\n")
+    servers = [ServerProcess(SERVER_ARGS[:6], env={"OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    threads = [threading.Thread(target=server.start) for server in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        args = ["--policy", "round-robin", "--health-interval", "0.2", "--dashboard-window", "3600",
+                "--debug-api-key-file", str(key_file)]
+        with RouterProcess([server.url for server in servers], args) as router:
+            assert httpx.get(router.url + "/debug/dashboard").status_code == 401
+            assert httpx.get(router.url + "/dashboard/static/../app.py").status_code == 404
+            names = [urlsplit(server.url).netloc for server in servers]
+            with dashboard_page(router.url + "/dashboard?interval=200", api_key="router-key") as (page, problems):
+                wait_polls(page, 2)
+                p99_panel = "First byte ≈ TTFT P99 (ms, sliding window)"
+
+                def send(number: int) -> None:
+                    reply = httpx.post(router.url + "/v1/completions", timeout=300,
+                                       json={"prompt": f"Name a colour, take {number}:", "max_tokens": 8})
+                    assert reply.status_code == 200
+
+                def both_backends_drawn() -> bool:
+                    return all(any(value for value in series(page, p99_panel, f"{name} P99")) for name in names)
+
+                load_until(both_backends_drawn, send, max_requests=100)
+                wait_polls(page, polls(page) + 2)
+                for name in names:
+                    assert any(value for value in series(page, "Requests/s", f"{name} req/s"))
+                screenshot(page, "dashboard-router.png")
+                assert problems == []
+    finally:
+        for server in servers:
+            server.stop()

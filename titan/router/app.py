@@ -9,6 +9,7 @@ Endpoints:
 - `GET /health`: 200 while the router runs. `GET /ready`: 200 while at least one backend is in the
   pool, else 503; the body lists every backend's state (and those that left but still finish requests).
 - `GET /metrics`: `titan_router:*` (metrics.py).
+- `GET /dashboard`: the live dashboard, per backend (titan/dashboard); its data is `GET /debug/dashboard`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from titan.dashboard.router_routes import DashboardRoutes
 from titan.router.backend import BackendPool
 from titan.router.config import BackendSpec, RouterConfig
 from titan.router.discovery import DnsDiscovery, Resolver, dns_resolver
@@ -31,6 +33,7 @@ from titan.router.metrics import RouterMetrics
 from titan.router.policies import make_policy
 from titan.router.proxy import Proxy, forwarded_headers
 from titan.router.responses import PlainResponse
+from titan.router.scoring import score_policy
 
 logger = logging.getLogger("titan.router")
 
@@ -46,12 +49,14 @@ class RouterApp:
         self.resolver = resolver or dns_resolver(config.discover_family)
         names = [spec.name for spec in config.backends]
         self.metrics = RouterMetrics(names)
-        policy = make_policy(config.policy, names, config.load_factor, config.min_load, config.seed)
+        policy = (score_policy(config) if config.policy == "score"
+                  else make_policy(config.policy, names, config.load_factor, config.min_load, config.seed))
         self.pool = BackendPool(config.backends, policy)
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
         self.proxy: Proxy | None = None
         self.discovery: DnsDiscovery | None = None
+        self.dashboard = DashboardRoutes(self)
 
     # ---- lifespan ------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -65,7 +70,7 @@ class RouterApp:
             trust_env=False,  # an HTTP(S)_PROXY meant for the internet must not catch backend traffic
         )
         self.health = HealthChecker(self.pool, self.client, self.metrics, config.health_interval,
-                                    config.health_timeout, scrape_load=config.policy == "least-load")
+                                    config.health_timeout, scrape_load=True)
         self.proxy = Proxy(config, self.pool, self.client, self.metrics, self.health)
         self.health.start()
         if config.discover_dns:
@@ -127,7 +132,9 @@ class RouterApp:
             assert self.proxy is not None, "the lifespan did not start"
             await self.proxy.handle(scope, receive, send)
             return
-        if method not in ("GET", "HEAD"):
+        if self.dashboard.handles(path):
+            response = await self.dashboard.answer(scope)
+        elif method not in ("GET", "HEAD"):
             response = PlainResponse.error(HTTPStatus.METHOD_NOT_ALLOWED, "Method Not Allowed", "method_not_allowed")
         elif path == "/health":
             response = json_response({"status": "ok"})

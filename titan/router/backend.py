@@ -31,6 +31,7 @@ class Backend:
     outstanding: int = 0  # requests this router has open on it (sent, response not finished)
     waiting: float | None = None  # scraped num_requests_waiting (None: not scraped / not exposed)
     kv_cache_usage: float | None = None  # scraped kv_cache_usage_perc, 0 to 1
+    seconds_per_token: float | None = None  # scraped step cost per computed token (step_cost.py)
     models: frozenset[str] | None = None  # model ids from /v1/models (None: unknown, may serve anything)
     readiness_path: str = "/ready"  # Titan's; "/health" once a backend answers 404 to /ready
     not_ready_reason: str = field(default="not polled yet")
@@ -107,6 +108,10 @@ class BackendPool:
                 say(f"backend {backend.name} ({backend.url}) joined the pool")
             else:
                 say(f"backend {backend.name} ({backend.url}) left the pool: {reason}")
+        if not ready and backend.ready:
+            forget = getattr(self.policy, "forget", None)  # a policy that tracks per-backend cache state
+            if forget is not None:
+                forget(backend.name)
         backend.ready = ready
         backend.not_ready_reason = "" if ready else reason
 
@@ -121,4 +126,7 @@ class BackendPool:
         candidates = self.candidates(info.model, exclude)
         if not candidates:
             return None
+        choose_for = getattr(self.policy, "choose_for", None)  # policies that read more than the key
+        if choose_for is not None:
+            return choose_for(candidates, info)
         return self.policy.choose(candidates, info.key)

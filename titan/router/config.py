@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-POLICIES = ("round-robin", "least-load", "prefix-affinity")
+POLICIES = ("score", "round-robin", "least-load", "prefix-affinity")
 ADDRESS_FAMILIES = ("any", "ipv4", "ipv6")
 # A DNS name (letters, digits, '-', '_', dots) or an IP literal (IPv6 given in brackets).
 DNS_HOST = re.compile(r"[a-z0-9_.-]+|[0-9a-f:.]+")
@@ -64,7 +64,7 @@ class RouterConfig:
     discover_family: str = "any"
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    policy: str = "prefix-affinity"
+    policy: str = "score"
     # prefix-affinity: the key is the prompt's first `prefix_chars` characters in whole `chunk_chars` chunks.
     prefix_chars: int = 256
     chunk_chars: int = 64
@@ -72,6 +72,13 @@ class RouterConfig:
     # max(ceil(load_factor * mean after adding this one), min_load).
     load_factor: float = 1.25
     min_load: int = 4
+    # score (scoring.py): weights of the scorers, prompt characters hashed into blocks, blocks remembered per backend.
+    score_prefix_weight: float = 1.0
+    score_ttft_weight: float = 2.0
+    score_queue_weight: float = 0.5
+    score_kv_weight: float = 0.25
+    score_prefix_chars: int = 16384
+    score_blocks_per_backend: int = 32768
     health_interval: float = 1.0  # seconds between readiness polls (and load scrapes) of each backend
     health_timeout: float = 5.0
     connect_timeout: float = 3.0
@@ -81,6 +88,11 @@ class RouterConfig:
     drain_timeout: float = 25.0  # on SIGTERM, seconds open requests get before connections are closed
     access_log: bool = False
     seed: int | None = None  # for least-load's random choices (tests)
+    # Live dashboard (GET /dashboard; its data at /debug/dashboard needs this key when one is given).
+    debug_api_key_file: str | None = None
+    dashboard_window: float = 30.0
+    dashboard_history: int = 600
+    dashboard_max_spikes: int = 50
 
     def validate(self) -> RouterConfig:
         if not self.backends and not self.discover_dns:
@@ -105,7 +117,14 @@ class RouterConfig:
             raise ConfigError("load_factor must be at least 1 (1 = perfectly even, no affinity under load)")
         if self.min_load < 1 or self.retries < 0:
             raise ConfigError("min_load must be at least 1 and retries at least 0")
-        for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval"):
+        if min(self.score_prefix_weight, self.score_ttft_weight, self.score_queue_weight, self.score_kv_weight) < 0:
+            raise ConfigError("score weights must not be negative")
+        if self.score_prefix_chars < self.chunk_chars or self.score_blocks_per_backend < 1:
+            raise ConfigError("need score_prefix_chars >= chunk_chars and score_blocks_per_backend >= 1")
+        if self.dashboard_history < 2 or self.dashboard_max_spikes < 1:
+            raise ConfigError("need dashboard_history >= 2 and dashboard_max_spikes >= 1")
+        for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval",
+                     "dashboard_window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         return self

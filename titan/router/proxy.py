@@ -172,7 +172,8 @@ class Proxy:
                 await outcome.close()
 
     async def route(self, scope: Scope, body: bytes) -> Outcome:
-        info = routing_info(scope["path"], body, self.config.prefix_chars, self.config.chunk_chars)
+        info = routing_info(scope["path"], body, self.config.prefix_chars, self.config.chunk_chars,
+                            self.config.score_prefix_chars if self.config.policy == "score" else 0)
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]

@@ -26,7 +26,7 @@
       ctx.save();
       ctx.fillStyle = "rgba(214, 39, 40, 0.15)";
       for (const spike of state.spikes) {
-        if (spike.metric !== panel.spikes) continue;
+        if (spike.metric !== panel.spikes && !spike.metric.startsWith(`${panel.spikes}:`)) continue;
         const left = u.valToPos(spike.start, "x", true);
         const right = Math.max(u.valToPos(spike.end, "x", true), left + 2);
         ctx.fillRect(left, u.bbox.top, right - left, u.bbox.height);
