@@ -89,7 +89,7 @@ class Proc:
         return 0
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""
+        return self.log_path.read_text(errors="replace")[-20000:] if self.log_path and self.log_path.exists() else ""
 
 
 def replica(server_args: list[str], env: dict[str, str] | None = None, port: int | None = None) -> Proc:
