@@ -8,7 +8,7 @@ from titan.router.backend import Backend, BackendPool
 from titan.router.config import BackendSpec, ConfigError, RouterConfig
 from titan.router.request_key import RoutingInfo, block_hashes, routing_info
 from titan.router.scoring import BlockTable, ScorePolicy, ScoreWeights
-from titan.router.step_cost import StepCost, step_totals
+from titan.router.step_cost import StepCost, StepTotals, step_totals
 
 CHUNK = 64
 
@@ -90,16 +90,23 @@ def test_a_backend_that_leaves_the_pool_is_forgotten() -> None:
     assert home.name not in policy.tables
 
 
-def test_step_cost_follows_scraped_deltas() -> None:
+def test_step_cost_separates_step_overhead_from_token_cost() -> None:
     text = ('titan:engine_step_seconds_sum{model_name="m"} 2.0\n'
+            'titan:engine_step_seconds_count{model_name="m"} 10.0\n'
             'titan:iteration_tokens_total_sum{model_name="m"} 1000.0\n')
-    assert step_totals(text) == (2.0, 1000.0)
+    assert step_totals(text) == StepTotals(2.0, 10.0, 1000.0)
     assert step_totals("other 1\n") is None
     cost = StepCost()
-    assert cost.update((2.0, 1000.0)) == pytest.approx(0.002)
-    assert cost.update((2.0, 1000.0)) == pytest.approx(0.002)  # nothing computed: unchanged
-    assert cost.update((4.0, 1500.0)) == pytest.approx(0.3 * 0.004 + 0.7 * 0.002)
-    assert cost.update((0.1, 10.0)) is None  # counters went back: the backend restarted
+    totals = StepTotals(0.0, 0.0, 0.0)
+    cost.update(totals)
+    # Steps cost 20 ms each plus 1 ms per token: decode-heavy and prefill-heavy intervals.
+    for steps, tokens in ((50, 60), (5, 600), (20, 100), (8, 900)):
+        totals = StepTotals(totals.seconds + 0.02 * steps + 0.001 * tokens, totals.steps + steps,
+                            totals.tokens + tokens)
+        cost.update(totals)
+    assert cost.overhead == pytest.approx(0.02) and cost.per_token == pytest.approx(0.001)
+    cost.update(StepTotals(0.1, 1.0, 10.0))  # counters went back: the backend restarted
+    assert cost.overhead is None and cost.per_token is None
 
 
 def test_score_is_the_default_and_its_settings_are_checked() -> None:

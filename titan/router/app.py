@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from titan.dashboard.router_routes import DashboardRoutes
 from titan.router.backend import BackendPool
 from titan.router.config import BackendSpec, RouterConfig
+from titan.router.degrade import Degrader
 from titan.router.discovery import DnsDiscovery, Resolver, dns_resolver
 from titan.router.health import HealthChecker
 from titan.router.metrics import RouterMetrics
@@ -57,6 +58,9 @@ class RouterApp:
         self.proxy: Proxy | None = None
         self.discovery: DnsDiscovery | None = None
         self.dashboard = DashboardRoutes(self)
+        self.degrader = (Degrader(self.pool, self.metrics.registry, config.interactive_ttft_slo_ms / 1000,
+                                  config.batch_ttft_slo_ms / 1000)
+                         if any(spec.pool for spec in config.backends) else None)
 
     # ---- lifespan ------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -72,6 +76,7 @@ class RouterApp:
         self.health = HealthChecker(self.pool, self.client, self.metrics, config.health_interval,
                                     config.health_timeout, scrape_load=True)
         self.proxy = Proxy(config, self.pool, self.client, self.metrics, self.health)
+        self.proxy.degrader = self.degrader
         self.health.start()
         if config.discover_dns:
             self.discovery = DnsDiscovery(config.discover_dns, self, config.discover_interval, self.resolver,

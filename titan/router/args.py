@@ -86,6 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help=f"metric snapshots kept, one per poll (default {DEFAULTS.dashboard_history})")
     dashboard.add_argument("--dashboard-max-spikes", type=int, default=None, metavar="N",
                            help=f"spikes remembered (default {DEFAULTS.dashboard_max_spikes})")
+    pools = parser.add_argument_group("model pools: degrade to a faster model under load")
+    pools.add_argument("--pool", action="append", default=None, dest="pools", metavar="NAME=URL[,URL...]",
+                       help="backends of the primary or the fallback pool (repeatable; --backend URLs join "
+                            "primary); batch requests, and interactive ones sending 'X-Titan-Allow-Degrade: true', "
+                            "go to the fallback when the primary's predicted TTFT is over their SLO")
+    pools.add_argument("--interactive-ttft-slo-ms", type=float, default=None,
+                       help=f"(default {DEFAULTS.interactive_ttft_slo_ms:g})")
+    pools.add_argument("--batch-ttft-slo-ms", type=float, default=None,
+                       help="for requests sent with 'X-Titan-Priority: batch' (default "
+                            f"{DEFAULTS.batch_ttft_slo_ms:g})")
     server = parser.add_argument_group("server")
     server.add_argument("--max-request-body-bytes", type=int, default=None)
     server.add_argument("--drain-timeout", type=float, default=None,

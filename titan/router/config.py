@@ -41,6 +41,7 @@ class ConfigError(ValueError):
 class BackendSpec:
     url: str  # the server's root, e.g. http://10.0.0.5:8000 (a trailing /v1 is dropped)
     name: str  # the `backend` label in metrics and logs; host:port unless given
+    pool: str | None = None  # model pool (degrade.py): primary | fallback; None without --pool
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class RouterConfig:
     dashboard_window: float = 30.0
     dashboard_history: int = 600
     dashboard_max_spikes: int = 50
+    # Model pools (degrade.py): a request's class SLO on the primary's predicted TTFT, in milliseconds.
+    interactive_ttft_slo_ms: float = 2000.0
+    batch_ttft_slo_ms: float = 8000.0
 
     def validate(self) -> RouterConfig:
         if not self.backends and not self.discover_dns:
@@ -121,6 +125,15 @@ class RouterConfig:
             raise ConfigError("score weights must not be negative")
         if self.score_prefix_chars < self.chunk_chars or self.score_blocks_per_backend < 1:
             raise ConfigError("need score_prefix_chars >= chunk_chars and score_blocks_per_backend >= 1")
+        pools = {backend.pool for backend in self.backends}
+        if pools - {None}:
+            if not {"primary", "fallback"} <= pools or pools - {None, "primary", "fallback"}:
+                raise ConfigError("pools are named primary and fallback, and both need a backend "
+                                  "(--pool primary=URL[,URL] --pool fallback=URL[,URL])")
+            if self.discover_dns:
+                raise ConfigError("--pool and --discover-dns do not combine yet: discovered backends have no pool")
+            self.backends = [spec if spec.pool else dataclasses.replace(spec, pool="primary")
+                             for spec in self.backends]
         if self.dashboard_history < 2 or self.dashboard_max_spikes < 1:
             raise ConfigError("need dashboard_history >= 2 and dashboard_max_spikes >= 1")
         for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval",
@@ -152,6 +165,20 @@ def parse_backend(entry: Any) -> BackendSpec:
     if parts.query or parts.fragment:
         raise ConfigError(f"a backend URL takes no query or fragment: {entry!r}")
     return BackendSpec(url, str(name) if name else parts.netloc)
+
+
+def parse_pools(entries: list[Any]) -> list[BackendSpec]:
+    """`NAME=URL[,URL...]` strings → backends labelled with their pool."""
+    specs = []
+    for entry in entries:
+        if not isinstance(entry, str) or "=" not in entry:
+            raise ConfigError(f"a pool is NAME=URL[,URL...], got {entry!r}")
+        name, urls = entry.split("=", 1)
+        name = name.strip()
+        if not urls.strip():
+            raise ConfigError(f"pool {name!r} names no backend")
+        specs.extend(dataclasses.replace(parse_backend(url), pool=name) for url in urls.split(","))
+    return specs
 
 
 def parse_dns_target(entry: Any) -> DnsTarget:
@@ -204,7 +231,7 @@ def number(name: str, value: Any, kind: type[int] | type[float]) -> int | float:
 
 def build_config(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -> RouterConfig:
     """Defaults ← file ← flags (flags that were not given are None and change nothing)."""
-    known = {item.name for item in dataclasses.fields(RouterConfig)}
+    known = {item.name for item in dataclasses.fields(RouterConfig)} | {"pools"}
     unknown = sorted(set(file_settings) - known)
     if unknown:
         raise ConfigError(f"unknown settings in the config file: {', '.join(unknown)}")
@@ -213,12 +240,15 @@ def build_config(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -
     backends = merged.pop("backends", None) or []
     if not isinstance(backends, list):
         raise ConfigError("'backends' must be a list")
+    pools = merged.pop("pools", None) or []
+    if not isinstance(pools, list):
+        raise ConfigError("'pools' must be a list of NAME=URL[,URL...] strings")
     targets = merged.pop("discover_dns", None) or []
     if isinstance(targets, str):  # one name needs no list
         targets = [targets]
     if not isinstance(targets, list):
         raise ConfigError("'discover_dns' must be a HOST:PORT string or a list of them")
-    config = RouterConfig(backends=[parse_backend(entry) for entry in backends],
+    config = RouterConfig(backends=[parse_backend(entry) for entry in backends] + parse_pools(pools),
                           discover_dns=[parse_dns_target(entry) for entry in targets])
     defaults = RouterConfig()
     for name, value in merged.items():

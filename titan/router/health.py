@@ -148,8 +148,9 @@ class HealthChecker:
             response = await self.client.get(backend.url + "/metrics", timeout=self.timeout)
             response.raise_for_status()
             backend.waiting, backend.kv_cache_usage = load_gauges(response.text)
-            backend.seconds_per_token = self.step_costs.setdefault(backend.name, StepCost()).update(
-                step_totals(response.text))
+            cost = self.step_costs.setdefault(backend.name, StepCost())
+            cost.update(step_totals(response.text))
+            backend.step_overhead, backend.seconds_per_token = cost.overhead, cost.per_token
         except httpx.HTTPError:
             backend.waiting = backend.kv_cache_usage = None
         for gauge, value in ((self.metrics.waiting, backend.waiting),

@@ -9,8 +9,8 @@ For each ready candidate the router estimates two things it can know without ask
   share of the prompt's leading blocks found in that backend's table.
 - its predicted time to first token: the prefill work the router has queued on it and not yet seen
   finish (a virtual queue that drains at the backend's speed and empties when nothing is open there),
-  plus this prompt's own uncached part, both priced with the backend's scraped cost per computed token
-  (Δ`engine_step_seconds_sum` / Δ`iteration_tokens_total_sum`).
+  plus this prompt's own uncached part and one step's overhead, priced with the per-step and per-token
+  costs fitted to the backend's scraped step metrics (step_cost.py).
 
 score = w_prefix·hit + w_ttft·(best predicted TTFT / this one's) + w_queue·(1 − load / highest load)
         + w_kv·(1 − KV usage),   load = outstanding + scraped waiting
@@ -118,7 +118,7 @@ class ScorePolicy:
         cost = backend.seconds_per_token or DEFAULT_SECONDS_PER_TOKEN
         queue = self.queues.get(backend.name)
         waiting = queue.wait(now) if queue is not None and backend.outstanding > 0 else 0.0
-        return waiting + cost * (uncached_chars / CHARS_PER_TOKEN + 1), hit
+        return waiting + (backend.step_overhead or 0.0) + cost * (uncached_chars / CHARS_PER_TOKEN + 1), hit
 
     def choose_for(self, candidates: Sequence[Backend], info: RoutingInfo) -> Backend:
         now = time.monotonic()
