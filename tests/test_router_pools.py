@@ -23,7 +23,12 @@ from titan.bench.metrics_scraper import parse_prometheus_text
 from titan.router.config import ConfigError, build_config
 
 ARGS = ["--max-num-batched-tokens", "256", "--max-num-seqs", "4", "--kv-cache-memory", "0.3"]
-LONG = "Tell me about the weather in the mountains and the sea. " * 215  # ~12,000 characters, ~2,600 tokens
+
+def long_prompt(number: int) -> str:
+    """~12,000 characters (~2,600 tokens), distinct from its first block on: no cache, the router's or the
+    server's, holds any of it."""
+    return f"Prompt {number}. " + "Tell me about the weather in the mountains and the sea. " * 215
+
 BATCH = {"X-Titan-Priority": "batch"}
 Pools = tuple[ServerProcess, ServerProcess, RouterProcess]
 
@@ -48,14 +53,14 @@ def pools() -> Iterator[Pools]:
         for thread in threads:
             thread.join()
         short = max(timed(primary.url, "Hi", "smol-main")[1] for _ in range(2))
-        long = timed(primary.url, LONG + "0", "smol-main")[1]
+        long = timed(primary.url, long_prompt(0), "smol-main")[1]
         slo_ms = math.sqrt(short * long) * 1000
         router = RouterProcess([], ["--pool", f"primary={primary.url}", "--pool", f"fallback={fallback.url}",
                                     "--batch-ttft-slo-ms", f"{slo_ms:.0f}", "--interactive-ttft-slo-ms",
                                     f"{slo_ms:.0f}", "--health-interval", "0.2"], min_ready=2).start()
         # Interactive without opting in stays on the primary whatever its prediction: this one also gives the
         # router's cost fit a prefill-heavy interval to learn the per-token cost from.
-        kept, _ = timed(router.url, LONG + "1", "smol-main")
+        kept, _ = timed(router.url, long_prompt(1), "smol-main")
         assert kept.headers["x-titan-router-backend"] == primary.url.split("//")[1]
         assert "x-titan-degraded" not in kept.headers
         timed(router.url, "Hi", "smol-main")  # and a decode-heavy one
@@ -81,7 +86,7 @@ def test_batch_degrades_over_its_slo_and_switches_back(pools: Pools) -> None:
     assert name[short.headers["x-titan-router-backend"]] == "primary", router.log()
     assert "x-titan-degraded" not in short.headers and short.json()["model"] == "smol-main"
 
-    slow, _ = timed(router.url, LONG + "2", "smol-main", BATCH)
+    slow, _ = timed(router.url, long_prompt(2), "smol-main", BATCH)
     assert name[slow.headers["x-titan-router-backend"]] == "fallback", router.log()
     assert slow.headers["x-titan-degraded"] == "model=smol-fast"
     assert slow.json()["model"] == "smol-fast"  # the response names the model that served it
@@ -94,7 +99,7 @@ def test_batch_degrades_over_its_slo_and_switches_back(pools: Pools) -> None:
 
 def test_interactive_degrades_when_it_opts_in(pools: Pools) -> None:
     _, fallback, router = pools
-    body = {"model": "smol-main", "prompt": LONG + "3", "max_tokens": 1, "stream": True}
+    body = {"model": "smol-main", "prompt": long_prompt(3), "max_tokens": 1, "stream": True}
     opted = httpx.post(router.url + "/v1/completions", json=body, headers={"X-Titan-Allow-Degrade": "true"},
                        timeout=900)
     assert opted.status_code == 200

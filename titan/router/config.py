@@ -125,9 +125,9 @@ class RouterConfig:
             raise ConfigError("score weights must not be negative")
         if self.score_prefix_chars < self.chunk_chars or self.score_blocks_per_backend < 1:
             raise ConfigError("need score_prefix_chars >= chunk_chars and score_blocks_per_backend >= 1")
-        pools = {backend.pool for backend in self.backends}
-        if pools - {None}:
-            if not {"primary", "fallback"} <= pools or pools - {None, "primary", "fallback"}:
+        pools = {backend.pool or "primary" for backend in self.backends}  # --backend URLs join primary
+        if any(backend.pool for backend in self.backends):
+            if pools != {"primary", "fallback"}:
                 raise ConfigError("pools are named primary and fallback, and both need a backend "
                                   "(--pool primary=URL[,URL] --pool fallback=URL[,URL])")
             if self.discover_dns:
