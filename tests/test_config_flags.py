@@ -54,6 +54,8 @@ def test_slo_policy_alone_gets_the_documented_step_target() -> None:
     (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
     (["--scheduling-policy", "slo", "--itl-slo-ms", "-5"], "itl_slo_ms must be positive"),
     (["--block-size", "many"], "invalid int value"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "between 1 and 16"),
+    (["--speculative-config", "ngram"], "not valid JSON"),
 ])
 def test_a_bad_flag_value_is_a_usage_error_not_a_traceback(flags: list[str], message: str) -> None:
     result = subprocess.run([sys.executable, "-m", "titan.entrypoints.cli", "serve", *flags],

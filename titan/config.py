@@ -4,6 +4,7 @@ derives the command-line flags and `LLM(...)` keyword arguments from it."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,59 @@ class AdmissionConfig:
 
 
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                    "adaptive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config` keys). ngram: drafts continue the latest earlier
+    occurrence of the sequence's last `prompt_lookup_max`..`prompt_lookup_min` tokens; draft_model: a smaller
+    model with the same vocabulary drafts greedily. adaptive: each step verifies only the drafts the cost
+    model predicts to pay off (see titan.engine.spec.planner); false pins `num_speculative_tokens`."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be between 1 and 16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method draft_model needs "model": a path, or "default"')
+        if not isinstance(self.adaptive, bool):
+            raise ValueError("adaptive must be true or false")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From the flag's JSON text or an `LLM(speculative_config={...})` dict; unknown keys are an error."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from error
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; known: "
+                             f"{', '.join(SPECULATIVE_KEYS)}")
+        if "method" not in value:
+            raise ValueError('speculative_config needs "method": ngram or draft_model')
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -223,10 +277,15 @@ class EngineConfig:
         "auto", "auto: a GGUF keeps its block formats (quantized kernels), an HF checkpoint its own GPTQ/AWQ "
                 "config; none: dequantize to float at load; int8 / int4: quantize float weights at load",
         choices=QUANTIZATION_CHOICES)
+    speculative_config: SpeculativeConfig | None = option(
+        None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
+              '{"method": "draft_model", "model": "PATH"}; "adaptive": false pins the draft length')
     threads: int | None = option(None, "compute threads for this process (default: the physical cores it may use); "
                                        "split the cores between replicas on one host")
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.quantization not in QUANTIZATION_CHOICES:
             choices = ", ".join(QUANTIZATION_CHOICES)
             raise ValueError(f"quantization must be one of {choices}, not {self.quantization!r}")

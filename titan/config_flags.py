@@ -68,8 +68,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         group = groups[spec.section]
         if spec.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default, help=spec.help)
+        elif hasattr(spec.type, "parse"):  # a JSON-valued flag (--speculative-config)
+            group.add_argument(flag, type=_json_flag(spec.type), default=spec.default, help=spec.help)
         else:
             group.add_argument(flag, type=spec.type, default=spec.default, choices=spec.choices, help=spec.help)
+
+
+def _json_flag(kind: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            return kind.parse(text)
+        except (TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(str(error)) from error
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def engine_config(model: str = "default", **options: Any) -> EngineConfig:

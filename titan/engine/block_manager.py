@@ -87,7 +87,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         start = self.num_registered_blocks.get(seq.seq_id, 0)
-        end = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Computed positions past the last token (drafts after a stop token) have no token to hash.
+        end = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         if end <= start:
             return
         hashes = self._block_hashes(seq, end)
@@ -140,6 +141,17 @@ class BlockManager:
         while len(seq.block_table) < cdiv(total_tokens, self.block_size):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` positions (rejected drafts' K/V). They were
+        never published, so they go to the front of the free list."""
+        keep = cdiv(num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=False)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`. Tail blocks go first in line for reuse: they are the least

@@ -77,6 +77,12 @@ class StepCostModel:
             return 0.0
         return float(self._features(shape) @ self.weights)
 
+    def marginal_token_cost(self, context_length: int) -> float:
+        """Seconds one more token of an already scheduled sequence adds, attending to `context_length`."""
+        if self.weights is None:
+            return 0.0
+        return float(self.weights[1] + self.weights[3] * context_length / 1000.0)
+
     def max_chunk(self, base: StepShape, start_position: int, limit: int, target_seconds: float) -> int:
         """The largest chunk (≤ limit) of one more sequence that keeps the step within the target."""
         if self.weights is None or self.predict(base.plus(limit, start_position)) <= target_seconds:

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -25,6 +25,8 @@ from titan.engine.sampler import Sampler
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.sequence import Sequence, SequenceStatus
+from titan.engine.spec.drafter import make_drafter
+from titan.engine.spec.planner import SpecStats, SpeculationPlanner
 from titan.engine.step_observer import StepDone, StepObserver, StepRecord
 from titan.engine.structured import GrammarCompiler
 from titan.kernels.threads import configure_threads
@@ -56,6 +58,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
     num_preemptions: int
+    spec: SpecStats | None = None  # speculative decoding counters (None: off)
 
 # On CPU the cache is ordinary RAM shared with everything else; 1 GiB holds ~23k tokens of the
 # default model, far more than two cores can keep busy.
@@ -132,15 +135,19 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids
         # Fitted online to every step; the slo policy caps prefill chunks with it.
         self.cost_model = StepCostModel()
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model)
+        spec = config.speculative_config
+        self.speculation = SpeculationPlanner(spec) if spec is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos, self.cost_model,
+                                   self.speculation)
         self.admission = AdmissionController(config.admission, self.cost_model, config.scheduler)
         self.gc_monitor = GcMonitor.install()
-        self.observer = StepObserver(self.cost_model, self.gc_monitor)
+        self.observer = StepObserver(self.cost_model, self.gc_monitor, self.speculation)
         sampler = Sampler(eos, seed=config.seed)
         self.step_faults = fault_injection.from_environment()
         self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
                                   self.dtype, sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.drafter = make_drafter(spec, self) if spec is not None else None
         self.requests: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(self.tokenizer, files.config.vocab_size, config.grammar_cache_size)
         self.load_seconds = time.perf_counter() - started
@@ -192,9 +199,12 @@ class LLMEngine:
         result = self.runner.execute(decision)
         duration = time.monotonic() - started
         advanced = self.scheduler.commit(decision, result)
-        detokenized = self.output_processor.detokenize(advanced, result)
+        detokenized = self.output_processor.detokenize(advanced)
         self.scheduler.stop(detokenized.stopped)
-        self.observer.observe(StepDone(decision, scheduled_seqs, advanced, started, duration, gc_pause_before))
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
+        self.observer.observe(StepDone(decision, result, scheduled_seqs, advanced, started, duration,
+                                       gc_pause_before))
         outputs = self.output_processor.emit(detokenized)
         for output in outputs:
             if output.finished:
@@ -238,6 +248,8 @@ class LLMEngine:
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec=None if self.speculation is None else replace(self.speculation.stats,
+                accepted_per_position=list(self.speculation.stats.accepted_per_position)),
         )
 
     def has_unfinished_requests(self) -> bool:

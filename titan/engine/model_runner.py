@@ -11,6 +11,7 @@ from titan.config import ModelConfig
 from titan.engine.sampler import compute_logprobs
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler_output import PromptLogprobs, RunnerOutput, ScheduledSequence, SchedulerOutput
+from titan.engine.spec.verify import accept, generator_states, sampling_rows
 from titan.model.attention import AttentionMetadata, build_attention_metadata
 from titan.model.llama import LlamaForCausalLM
 
@@ -76,9 +77,11 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(scheduler_output.scheduled, inputs, hidden)
             if not requests:
                 return RunnerOutput(prompt_logprobs=prompt_logprobs)
+            states = generator_states(scheduler_output.scheduled)
             token_ids, logprobs = self.sampler(logits, requests)
-        return RunnerOutput(seq_ids=[r.seq_id for r in requests], token_ids=list(token_ids), logprobs=list(logprobs),
-                            prompt_logprobs=prompt_logprobs)
+        output = accept(scheduler_output.scheduled, token_ids, logprobs, states)
+        output.prompt_logprobs = prompt_logprobs
+        return output
 
     def compute_logits_for(self, scheduler_output: SchedulerOutput, all_tokens: bool = False) -> torch.Tensor:
         """Run the step (writing its K/V) and return float32 logits without sampling.
@@ -127,8 +130,13 @@ class ModelRunner:
 
     def _logits_for_sampling(self, scheduled: list[ScheduledSequence], inputs: _StepInputs,
                              hidden: torch.Tensor) -> tuple[torch.Tensor, list[ScheduledSequence]]:
-        requests = [s for s in scheduled if s.sample]
-        rows = [end - 1 for s, (_, end) in zip(scheduled, inputs.row_ranges, strict=True) if s.sample]
+        requests: list[ScheduledSequence] = []
+        rows: list[int] = []
+        for item, (_, end) in zip(scheduled, inputs.row_ranges, strict=True):
+            if item.sample:
+                item_rows = sampling_rows(item)  # the last token, or every position of a draft run
+                requests.extend(item_rows)
+                rows.extend(range(end - len(item_rows), end))
         if not requests:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), requests
         if rows != list(range(hidden.shape[0])):
@@ -158,18 +166,29 @@ class ModelRunner:
         return results
 
     def _prepare(self, scheduled: list[ScheduledSequence]) -> _StepInputs:
-        # One-token sequences form the batched decode group, whatever the scheduler's order.
-        order = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
-        order += [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]
+        # One-token sequences form the batched decode group, whatever the scheduler's order. A sequence
+        # verifying drafts joins it as one row per new token (row i sees the cache up to its own position:
+        # every new K/V is written before attention), so verification batches like decoding.
+        def in_decode_group(item: ScheduledSequence) -> bool:
+            return item.num_new_tokens == 1 or bool(item.draft_token_ids)
+
+        order = [i for i, s in enumerate(scheduled) if in_decode_group(s)]
+        order += [i for i, s in enumerate(scheduled) if not in_decode_group(s)]
         ordered = [scheduled[i] for i in order]
-        metadata, positions = build_attention_metadata(
-            [s.num_new_tokens for s in ordered],
-            [s.start_position for s in ordered],
-            [s.block_table for s in ordered],
-            self.block_size,
-            self.device,
-            null_slot=self.null_slot,
-        )
+        lengths: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        for item in ordered:
+            if item.draft_token_ids:
+                lengths += [1] * item.num_new_tokens
+                starts += range(item.start_position, item.start_position + item.num_new_tokens)
+                tables += [item.block_table] * item.num_new_tokens
+            else:
+                lengths.append(item.num_new_tokens)
+                starts.append(item.start_position)
+                tables.append(item.block_table)
+        metadata, positions = build_attention_metadata(lengths, starts, tables, self.block_size, self.device,
+                                                       null_slot=self.null_slot)
         token_ids = [token for s in ordered for token in s.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         row_ranges: list[tuple[int, int]] = [(0, 0)] * len(scheduled)

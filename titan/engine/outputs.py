@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan.engine.scheduler_output import RunnerOutput, TokenLogprobs
-from titan.engine.sequence import Sequence
+from titan.engine.scheduler_output import TokenLogprobs
+from titan.engine.sequence import Advanced, Sequence
 from titan.engine.timeline import summarize
 from titan.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -57,7 +57,8 @@ class Detokenized:
     """One step's text deltas, and the sequences whose text reached a stop string (the engine ends them)."""
 
     deltas: list[_Delta] = field(default_factory=list)
-    stopped: list[tuple[Sequence, str]] = field(default_factory=list)
+    # (sequence, stop string, output tokens to keep: those up to the one that completed the string)
+    stopped: list[tuple[Sequence, str, int]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -77,22 +78,31 @@ class OutputProcessor:
         if params.logprobs is not None:
             self.logprobs[seq.seq_id] = []
 
-    def detokenize(self, advanced: list[Sequence], runner_output: RunnerOutput) -> Detokenized:
-        """The text each advanced sequence's new token completes; stop strings become decisions."""
-        logprobs_by_seq = dict(zip(runner_output.seq_ids, runner_output.logprobs, strict=True))
+    def detokenize(self, advanced: list[Advanced]) -> Detokenized:
+        """The text each advanced sequence's new tokens complete; stop strings become decisions. A stop
+        string completed by one of several tokens of a step (accepted drafts) drops the tokens after it."""
         result = Detokenized()
-        for seq in advanced:
+        for item in advanced:
+            seq = item.seq
             detokenizer = self.detokenizers[seq.seq_id]
-            token_id = seq.output_token_ids[-1]
-            text = detokenizer.append(token_id)
+            text = ""
+            kept = 0
+            for token_id in item.token_ids:
+                text += detokenizer.append(token_id)
+                kept += 1
+                if detokenizer.stop_string is not None:
+                    break
+            token_ids = item.token_ids[:kept]
             entries = None
             if seq.seq_id in self.logprobs:
-                entry = logprobs_by_seq.get(seq.seq_id)
-                entries = [entry] if entry is not None else []
+                entries = [entry for entry in item.logprobs[:kept] if entry is not None]
                 self.logprobs[seq.seq_id].extend(entries)
-            if detokenizer.stop_string is not None and not seq.is_finished:
-                result.stopped.append((seq, detokenizer.stop_string))
-            result.deltas.append(_Delta(seq, [token_id], text, entries))
+            # A sequence that a later token of this step finished (a stop token, its length) still stops at
+            # the string, as it would have without speculation.
+            if detokenizer.stop_string is not None and (not seq.is_finished or kept < len(item.token_ids)):
+                num_output_tokens = seq.num_output_tokens - (len(item.token_ids) - kept)
+                result.stopped.append((seq, detokenizer.stop_string, num_output_tokens))
+            result.deltas.append(_Delta(seq, token_ids, text, entries))
         return result
 
     def emit(self, detokenized: Detokenized) -> list[RequestOutput]:

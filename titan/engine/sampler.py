@@ -335,6 +335,10 @@ class Sampler:
             uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self._generator)
         for i, request in enumerate(requests):
             if request.generator is not None:
-                generator = request.generator
-                uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)[0]
+                uniforms[i] = draw_uniform(request.generator)
         return uniforms
+
+
+def draw_uniform(generator: torch.Generator) -> torch.Tensor:
+    """The next uniform of a request's own generator (one per sampled position; verify rewinds by it)."""
+    return torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)[0]

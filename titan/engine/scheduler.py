@@ -16,7 +16,8 @@ from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager, cdiv
 from titan.engine.cost_model import StepCostModel, StepShape
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
-from titan.engine.sequence import Sequence, SequenceStatus
+from titan.engine.sequence import Advanced, Sequence, SequenceStatus
+from titan.engine.spec.planner import SpeculationPlanner
 
 
 class RequestRejectedError(ValueError):
@@ -42,9 +43,8 @@ class _StepBuilder:
         self.output.scheduled.append(scheduled)
         self.budget -= scheduled.num_new_tokens
         self.shape = self.shape.plus(scheduled.num_new_tokens, scheduled.start_position)
-        self.has_prefill = self.has_prefill or scheduled.num_new_tokens > 1
-        self.has_decode = self.has_decode or (
-            scheduled.num_new_tokens == 1 and scheduled.start_position >= len(scheduled.prompt_token_ids))
+        self.has_prefill = self.has_prefill or (scheduled.num_new_tokens > 1 and not scheduled.draft_token_ids)
+        self.has_decode = self.has_decode or scheduled.is_decode
 
     def remove(self, seq_id: int) -> None:
         """Unschedule a sequence preempted after it was scheduled in this step."""
@@ -65,8 +65,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
         cost_model: StepCostModel | None = None,
+        speculation: SpeculationPlanner | None = None,
     ) -> None:
         self.config = config
+        self.speculation = speculation
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -136,8 +138,9 @@ class Scheduler:
             prefills.sort(key=lambda seq: self._prefill_key(seq, now))
             deferred = [seq for seq in prefills if self._prefill_key(seq, now) > best_waiting]
             prefills = prefills[:len(prefills) - len(deferred)]
+        drafts = self._plan_drafts(decodes)
         for seq in decodes + prefills:
-            self._schedule_running(step, seq)
+            self._schedule_running(step, seq, drafts.get(seq.seq_id, 0))
 
         # fcfs: a step that had to preempt admits nothing new, memory is already short.
         while self.waiting and step.budget > 0 and (self.uses_priority or not step.output.preempted_seq_ids):
@@ -167,12 +170,19 @@ class Scheduler:
             self._schedule_running(step, seq)
         return step.output
 
-    def _schedule_running(self, step: _StepBuilder, seq: Sequence) -> None:
+    def _plan_drafts(self, decodes: list[Sequence]) -> dict[int, int]:
+        """Speculative decoding: how many of its drafts each decode verifies (never past its length)."""
+        if self.speculation is None:
+            return {}
+        return self.speculation.plan([(seq, self.max_length(seq) - seq.num_tokens - 1) for seq in decodes])
+
+    def _schedule_running(self, step: _StepBuilder, seq: Sequence, num_drafts: int = 0) -> None:
         if step.budget == 0 or seq.status is not SequenceStatus.RUNNING:
             return  # out of budget, or preempted as a victim earlier in this step
         num_new = self._chunk(step, seq, seq.num_computed_tokens)
-        if num_new > 0 and self._allocate_or_preempt(step, seq, num_new):
-            step.add(self._scheduled(seq, num_new))
+        drafts = seq.draft_token_ids[:min(num_drafts, step.budget - num_new)] if num_new == 1 else []
+        if num_new > 0 and self._allocate_or_preempt(step, seq, num_new + len(drafts)):
+            step.add(self._scheduled(seq, num_new, drafts))
 
     def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
         """slo's prefill order: priority (aged), then the fewest tokens left to compute, so a short prompt's
@@ -258,11 +268,11 @@ class Scheduler:
         self._preempt(victim, step)
         return True
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSequence:
         start = seq.num_computed_tokens
         return ScheduledSequence(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids_slice(start, start + num_new),
+            token_ids=seq.token_ids_slice(start, start + num_new) + list(drafts),
             start_position=start,
             block_table=seq.block_table,
             sample=start + num_new == seq.num_tokens,
@@ -271,6 +281,7 @@ class Scheduler:
             output_token_ids=seq.output_token_ids,
             generator=seq.generator,
             grammar=seq.grammar,
+            draft_token_ids=list(drafts),
         )
 
     def _preempt(self, seq: Sequence, step: _StepBuilder) -> None:
@@ -287,42 +298,72 @@ class Scheduler:
         self.num_preemptions += 1
         step.output.preempted_seq_ids.append(seq.seq_id)
 
-    def commit(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Sequence]:
+    def commit(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Advanced]:
         """After the runner returned: advance computed tokens, publish the blocks now written to the prefix
-        cache, append sampled tokens and end sequences that hit a stop token or their length. Returns the
-        sequences that got a token. A sequence preempted or aborted since it was scheduled is skipped, so
-        none of its unwritten blocks is ever published."""
+        cache, append sampled tokens and end sequences that hit a stop token or their length. Returns what
+        each sequence got. A sequence preempted or aborted since it was scheduled is skipped, so none of its
+        unwritten blocks is ever published. Rejected drafts are rolled back before anything is published:
+        their positions do not count as computed and the blocks past the accepted tokens are freed."""
+        verified = {v.seq_id: v for v in runner_output.verifications}
+        computed: list[Sequence] = []
         for scheduled in output.scheduled:
             seq = self.sequences.get(scheduled.seq_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += scheduled.num_new_tokens
-                self.block_manager.commit(seq)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            rejected = 0
+            verification = verified.get(seq.seq_id)
+            if verification is not None:
+                rejected = verification.num_drafts - verification.num_accepted
+                if self.speculation is not None:
+                    self.speculation.record(seq, verification.num_drafts, verification.num_accepted)
+            seq.num_computed_tokens += scheduled.num_new_tokens - rejected
+            if rejected:
+                # Keep the blocks up to the next position to compute (the token sampled now).
+                self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+            computed.append(seq)
         for chunk in runner_output.prompt_logprobs:
             seq = self.sequences.get(chunk.seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[chunk.first_position:chunk.first_position + len(chunk.entries)] = chunk.entries
-        advanced: list[Sequence] = []
+        advanced: dict[int, Advanced] = {}
+        stopped: dict[int, tuple[Sequence, SequenceStatus]] = {}
         now = time.monotonic()
-        for seq_id, token_id in zip(runner_output.seq_ids, runner_output.token_ids, strict=True):
+        for seq_id, token_id, entry in zip(runner_output.seq_ids, runner_output.token_ids, runner_output.logprobs,
+                                           strict=True):
             seq = self.sequences.get(seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
+            if seq is None or seq.status is not SequenceStatus.RUNNING or seq_id in stopped:
+                continue  # aborted while the step ran, or stopped by an earlier token of this step
             seq.output_token_ids.append(token_id)
             if seq.grammar is not None:
                 seq.grammar.accept(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            advanced.append(seq)
+            if seq_id not in advanced:
+                advanced[seq_id] = Advanced(seq, [], [])
+            advanced[seq_id].token_ids.append(token_id)
+            advanced[seq_id].logprobs.append(entry)
             status = self._stop_status(seq, token_id)
             if status is not None:
-                self.finish(seq, status)
-        return advanced
+                stopped[seq_id] = (seq, status)
+        # Publish once the accepted drafts are tokens of their sequences (block hashes cover token ids),
+        # and before stopped sequences release their blocks.
+        for seq in computed:
+            self.block_manager.commit(seq)
+        for seq, status in stopped.values():
+            self.finish(seq, status)
+        return list(advanced.values())
 
-    def stop(self, stopped: list[tuple[Sequence, str]]) -> None:
-        """End sequences the output stage found a stop string in (the string becomes their stop reason)."""
-        for seq, stop_string in stopped:
-            if not seq.is_finished:
-                seq.stop_reason = stop_string
+    def stop(self, stopped: list[tuple[Sequence, str, int]]) -> None:
+        """End sequences the output stage found a stop string in (the string becomes their stop reason),
+        keeping the output tokens up to the one that completed it."""
+        for seq, stop_string, num_output_tokens in stopped:
+            if seq.status is SequenceStatus.FINISHED_ABORTED:
+                continue
+            del seq.output_token_ids[num_output_tokens:]
+            seq.stop_reason = stop_string
+            if seq.is_finished:  # by a later token of the same step: the stop string came first
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            else:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:

@@ -32,10 +32,19 @@ class ScheduledSequence:
     output_token_ids: list[int]
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # structured outputs: the sampler masks what it forbids (read-only)
+    # Speculative decoding: the last `len(draft_token_ids)` of `token_ids` are unverified drafts; every
+    # new token's logits are sampled and the drafts are kept up to the first that disagrees.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Mid-stream: one known token to compute (plus any drafts) after the prompt."""
+        return (len(self.token_ids) - len(self.draft_token_ids) == 1
+                and self.start_position >= len(self.prompt_token_ids))
 
     @property
     def context_length(self) -> int:
@@ -77,12 +86,23 @@ class PromptLogprobs:
     entries: list[TokenLogprobs]
 
 
+@dataclass(frozen=True)
+class Verification:
+    """How many of a sequence's drafts the step checked and accepted."""
+
+    seq_id: int
+    num_drafts: int
+    num_accepted: int
+
+
 @dataclass
 class RunnerOutput:
-    """What a step produced: one token per sampled sequence, in `scheduled` order, and the prompt logprobs
-    of the chunks whose sequences asked for them."""
+    """What a step produced: one token per sampled sequence, in `scheduled` order (a sequence with drafts
+    gets its accepted drafts plus one more, consecutive entries), and the prompt logprobs of the chunks
+    whose sequences asked for them."""
 
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    verifications: list[Verification] = field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,8 @@ class SequenceStatus(enum.Enum):
 
 
 _seq_counter = itertools.count()
+# Speculative decoding's estimate of a draft's acceptance before a sequence was verified at all.
+PRIOR_ACCEPTANCE = 0.6
 
 
 class Sequence:
@@ -78,6 +81,10 @@ class Sequence:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         # Structured outputs: where the output stands in its grammar (set by the engine at admission).
         self.grammar: GrammarState | None = None
+        # Speculative decoding: drafts proposed after the last step (verified by the next one) and the
+        # estimated chance that a draft is accepted (see titan.engine.spec.planner).
+        self.draft_token_ids: list[int] = []
+        self.spec_acceptance = PRIOR_ACCEPTANCE
         # A private generator makes seeded sampling independent of the batch it runs in.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
@@ -111,3 +118,13 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass
+class Advanced:
+    """The tokens one step appended to a sequence: one, or several when drafts were accepted; with their
+    logprob entries (None where none were asked for)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]

@@ -51,6 +51,8 @@ class RequestTimeline:
     last_token_time: float | None = None
     preemptions_at_last_token: int = 0
     longest_stall: Stall | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and how many were accepted
+    num_accepted_tokens: int = 0
 
     def record_chunk(self, started: float, num_tokens: int, duration: float, recompute: bool) -> None:
         self.prefill_chunks.append(PrefillChunk(started, num_tokens, duration, recompute))
@@ -112,6 +114,8 @@ def summarize(seq: Sequence) -> dict[str, Any]:
         ],
         "decode_steps": timeline.num_decode_steps,
         "output_tokens": seq.num_output_tokens,
+        "draft_tokens": timeline.num_draft_tokens,
+        "accepted_draft_tokens": timeline.num_accepted_tokens,
         "preemptions": seq.num_preemptions,
         "recomputed_tokens": seq.num_recomputed_tokens,
         "preempted_ms": _ms(seq.preempted_seconds),

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from titan.engine.llm_engine import EngineStats
 from titan.engine.outputs import RequestOutput
+from titan.engine.spec.planner import SpecStats
 
 PREFIX = "titan:"
 
@@ -97,6 +98,13 @@ class ServerMetrics:
         self.degradations = Counter(PREFIX + "degraded_requests_total",
                                     "Requests degraded under pressure (e.g. max_tokens clamped), by kind.",
                                     ["model_name", "kind"], registry=self.registry)
+        # Speculative decoding (vLLM's names); they appear once speculation is configured.
+        self.spec_drafts = counter("spec_decode_num_drafts_total", "Verifications: sequence-steps that carried drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens_total", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self._spec_per_position = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+                                          "Draft tokens accepted, by position in the draft (0 = first).",
+                                          ["model_name", "position"], registry=self.registry)
         self._last_stats: EngineStats | None = None
 
     # ---- engine thread -------------------------------------------------------------------------
@@ -122,7 +130,23 @@ class ServerMetrics:
         ):
             if now > before:
                 counter.inc(now - before)
+        if stats.spec is not None:
+            self._record_spec(stats.spec, last.spec if last else None)
         self._last_stats = stats
+
+    def _record_spec(self, spec: SpecStats, last: SpecStats | None) -> None:
+        for counter, now, before in (
+            (self.spec_drafts, spec.num_drafts, last.num_drafts if last else 0),
+            (self.spec_draft_tokens, spec.num_draft_tokens, last.num_draft_tokens if last else 0),
+            (self.spec_accepted_tokens, spec.num_accepted_tokens, last.num_accepted_tokens if last else 0),
+        ):
+            if now > before:
+                counter.inc(now - before)
+        for position, count in enumerate(spec.accepted_per_position):
+            before = last.accepted_per_position[position] if last else 0
+            series = self._spec_per_position.labels(self._model_name, str(position))
+            if count > before or last is None:
+                series.inc(count - before)
 
     def record_step(self, seconds: float, num_tokens: int) -> None:
         self.step_seconds.observe(seconds)

@@ -1,0 +1,184 @@
+"""Speculative decoding side by side: off vs ngram (adaptive) vs ngram (fixed k), same build, one run.
+
+Three servers on the default model run at once (idle ones cost nothing); every workload goes to each
+in turn, so all configurations see the same machine state:
+- copy-heavy: rewrite / continue a given passage or code (the output repeats spans of the input),
+  greedy; single stream and 16 concurrent;
+- open-ended chat (low acceptance), sampled with a seed per request; single stream and 16 concurrent;
+- the burst: 32 x (~150 in, 64 out) sent at once.
+Per run: output tok/s, TPOT P50/P99 (per-request time per output token), chunk ITL P50/P99 (gaps
+between streamed chunks; a chunk carries several tokens when drafts were accepted), acceptance (from the
+server's spec_decode metrics), and whether every output equals the speculation-off output (greedy and
+seeded requests must). A draft model is not benchmarked: no smaller model with SmolLM2's tokenizer ships
+offline (the default model drafting for itself is exact but, being as large as the target, only slower).
+
+    .venv/bin/python benchmarks/speculative.py [--threads N] [--quick] [--output FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from common import cpu_description, write_result
+
+from harness.server import ServerProcess
+from titan.bench.client import RequestResult, make_client, send_request
+
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "off": None,
+    "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram fixed k=4": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+}
+PASSAGES = [
+    "The lighthouse stood at the edge of the cliff for two hundred years. Every night its keeper climbed "
+    "the spiral stairs, trimmed the wick and polished the great lens until the beam reached far out to sea.",
+    "Photosynthesis converts light energy into chemical energy. In the chloroplasts, water is split, oxygen "
+    "is released, and the energy captured is stored in glucose molecules built from carbon dioxide.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
+    "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
+]
+COPY_TASKS = ["Repeat the following text exactly, word for word:\n\n{}",
+              "Rewrite the following, keeping every sentence, and add a title at the top:\n\n{}"]
+OPEN_PROMPTS = ["Write a short story about a dragon who learns to bake bread.",
+                "What are three good habits for staying healthy? Explain each.",
+                "Describe a city on Mars one hundred years from now.",
+                "Give me advice for my first day at a new job.",
+                "Why is the sky blue? Explain it to a ten-year-old.",
+                "Invent a new board game and explain its rules.",
+                "Write a letter to a friend you have not seen in years.",
+                "What would happen if cats could talk?"]
+BURST_TEXT = ("The history of computing is a story of people who wanted to calculate faster. From the abacus to "
+              "mechanical calculators, from vacuum tubes to transistors, each step made machines smaller, "
+              "cheaper and more reliable. ")
+
+
+def copy_bodies(count: int) -> list[dict[str, Any]]:
+    tasks = [task.format(passage) for passage in PASSAGES for task in COPY_TASKS]
+    return [{"messages": [{"role": "user", "content": tasks[i % len(tasks)]}], "max_tokens": 128,
+             "temperature": 0.0} for i in range(count)]
+
+
+def open_bodies(count: int) -> list[dict[str, Any]]:
+    return [{"messages": [{"role": "user", "content": OPEN_PROMPTS[i % len(OPEN_PROMPTS)]}], "max_tokens": 96,
+             "temperature": 0.8, "seed": i} for i in range(count)]
+
+
+def burst_bodies(count: int) -> list[dict[str, Any]]:
+    return [{"messages": [{"role": "user", "content": f"Document {i}: " + BURST_TEXT * 4 + "Summarize it."}],
+             "max_tokens": 64, "temperature": 0.0, "ignore_eos": True, "min_tokens": 64} for i in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def run_load(server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    limit = asyncio.Semaphore(concurrency)
+    url = server.url + "/v1/chat/completions"
+    texts: dict[int, str] = {}
+    async with make_client(600.0) as client:
+        start = time.perf_counter()
+
+        async def one(index: int, body: dict[str, Any]) -> RequestResult:
+            async with limit:
+                result = RequestResult(index, "bench", 0, body["max_tokens"], time.perf_counter() - start)
+                full = {**body, "model": "SmolLM2-135M-Instruct.Q4_1", "stream": True,
+                        "stream_options": {"include_usage": True}}
+                await send_request(client, url, full, result, start)
+                return result
+
+        results = await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
+        wall = time.perf_counter() - start
+        # The text of each (deterministic) request, for the exactness check: ask again without streaming.
+        for index, body in enumerate(bodies[:8]):
+            reply = await client.post(url, json={**body, "model": "SmolLM2-135M-Instruct.Q4_1"})
+            texts[index] = reply.json()["choices"][0]["message"]["content"]
+    ok = [r for r in results if r.success]
+    tokens = sum(r.completion_tokens or 0 for r in ok)
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    itls = [gap for r in ok for gap in r.itls]
+    return {"requests": len(results), "failed": len(results) - len(ok), "output_tokens": tokens,
+            "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 2),
+            "tpot_ms_p50": ms(percentile(tpots, 50)), "tpot_ms_p99": ms(percentile(tpots, 99)),
+            "itl_ms_p50": ms(percentile(itls, 50)), "itl_ms_p99": ms(percentile(itls, 99)), "texts": texts}
+
+
+def ms(seconds: float | None) -> float:
+    return float("nan") if seconds is None else round(1000 * seconds, 2)
+
+
+def spec_counters(server: ServerProcess) -> tuple[float, float]:
+    def total(name: str) -> float:
+        return sum(sample.value for sample in server.metric_samples(name))
+    return (total("titan:spec_decode_num_draft_tokens_total"), total("titan:spec_decode_num_accepted_tokens_total"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="--threads of every server (default: all cores)")
+    parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--output", default="benchmarks/results/speculative.json")
+    args = parser.parse_args()
+    scale = 4 if args.quick else 1
+    workloads = {
+        "copy-heavy x1": (copy_bodies(8 // scale), 1),
+        "copy-heavy x16": (copy_bodies(32 // scale), 16),
+        "open-ended x1": (open_bodies(8 // scale), 1),
+        "open-ended x16": (open_bodies(32 // scale), 16),
+        "burst 32": (burst_bodies(32), 32),
+    }
+    common_args = [] if args.threads is None else ["--threads", str(args.threads)]
+    servers = {}
+    try:
+        for name, spec in CONFIGS.items():
+            extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
+            servers[name] = ServerProcess(common_args + extra).start()
+        # Warm every server (and the adaptive cost model) on a few requests that are not measured.
+        for server in servers.values():
+            asyncio.run(run_load(server, copy_bodies(2) + open_bodies(2), 2))
+        rows: dict[str, dict[str, Any]] = {}
+        for workload, (bodies, concurrency) in workloads.items():
+            for name, server in servers.items():
+                before = spec_counters(server)
+                result = asyncio.run(run_load(server, bodies, concurrency))
+                after = spec_counters(server)
+                drafts, accepted = after[0] - before[0], after[1] - before[1]
+                result["acceptance"] = round(accepted / drafts, 3) if drafts else None
+                result["draft_tokens"] = int(drafts)
+                rows.setdefault(workload, {})[name] = result
+                print(f"{workload:15s} {name:16s} {result['output_tok_s']:7.1f} tok/s  "
+                      f"TPOT {result['tpot_ms_p50']:6.1f}/{result['tpot_ms_p99']:6.1f} ms  "
+                      f"ITL {result['itl_ms_p50']:6.1f}/{result['itl_ms_p99']:6.1f} ms  "
+                      f"acceptance {result['acceptance']}  failed {result['failed']}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    summary = {}
+    for workload, by_config in rows.items():
+        base = by_config["off"]
+        base_texts = base["texts"]
+        summary[workload] = {}
+        for name, result in by_config.items():
+            identical = result.pop("texts") == base_texts
+            summary[workload][name] = {**result, "speedup": round(result["output_tok_s"] / base["output_tok_s"], 3),
+                                       "outputs_identical": identical}
+    print(f"\n{cpu_description()}\n{'workload':15s} {'config':16s} {'tok/s':>7s} {'x off':>6s} {'accept':>6s} same")
+    for workload, by_config in summary.items():
+        for name, result in by_config.items():
+            acceptance = "-" if result["acceptance"] is None else result["acceptance"]
+            print(f"{workload:15s} {name:16s} {result['output_tok_s']:7.1f} {result['speedup']:6.2f} "
+                  f"{acceptance:>6} {result['outputs_identical']}")
+    write_result(args.output, {"cpu": cpu_description(), "threads": args.threads, "results": summary})
+
+
+if __name__ == "__main__":
+    main()

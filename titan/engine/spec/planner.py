@@ -1,0 +1,114 @@
+"""How many of each sequence's drafts the next step verifies: the scheduler's speculation decision.
+
+Adaptive rule (per step, greedy in marginal gain). Verifying one more draft of a sequence whose drafts are
+accepted with probability α yields α^j more expected tokens (the j-th draft counts only if the j-1 before
+it were accepted) and makes the step longer by the cost model's marginal token cost c. With E expected
+tokens in a step of predicted length T, the draft pays when the step's tokens per second rise:
+(E + α^j) / (T + c) > E / T, i.e. α^j · T > c · E. Drafts are added best first while that holds. A quiet
+server (E small, T dominated by reading the weights) verifies several drafts; a busy one (E large, T
+growing with the batch) verifies few or none; a sequence whose acceptance collapsed stops drafting, and
+its estimate drifts back towards the prior so it is retried now and then.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from titan.config import SpeculativeConfig
+from titan.engine.cost_model import StepCostModel, StepShape, shape_of
+from titan.engine.scheduler_output import ScheduledSequence
+from titan.engine.sequence import PRIOR_ACCEPTANCE, Sequence
+
+# How fast acceptance estimates move (a sequence starts at sequence.PRIOR_ACCEPTANCE).
+ACCEPTANCE_RATE = 0.3
+# Per step a sequence with drafts is not verified, its estimate relaxes this share back to the prior.
+RELAXATION = 0.02
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # verifications: sequence-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class SpeculationPlanner:
+    """`cost_model` is fitted to decode-only steps (verification included) by `observe`: their cost per
+    row is what a draft adds, and prefill chunks, which run on other kernels, would blur it. While only one
+    batch width has been seen, the fit splits a step's time evenly between the fixed cost and the row, so
+    a quiet server starts by verifying a likely draft and learns the real split from it."""
+
+    def __init__(self, config: SpeculativeConfig, cost_model: StepCostModel | None = None) -> None:
+        self.config = config
+        self.cost_model = cost_model if cost_model is not None else StepCostModel()
+        self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def observe(self, scheduled: list[ScheduledSequence], seconds: float) -> None:
+        """A step ran: learn from it if it only decoded."""
+        if scheduled and all(item.is_decode for item in scheduled):
+            self.cost_model.observe(shape_of(scheduled), seconds)
+
+    def plan(self, decodes: list[tuple[Sequence, int]]) -> dict[int, int]:
+        """Drafts to verify per seq_id, for decodes given with the most drafts each may carry. A sequence
+        with drafts that are not worth verifying drifts back towards the prior acceptance."""
+        plan = self.choose(decodes)
+        for seq, _ in decodes:
+            if seq.draft_token_ids and seq.seq_id not in plan:
+                seq.spec_acceptance += RELAXATION * (PRIOR_ACCEPTANCE - seq.spec_acceptance)
+        return plan
+
+    def choose(self, decodes: list[tuple[Sequence, int]], available: dict[int, int] | None = None) -> dict[int, int]:
+        """The rule above, changing nothing; `available` (seq_id → drafts) replaces each sequence's own
+        drafts (a draft model asks how many drafts would be wanted before it computes them)."""
+        def drafts_of(seq: Sequence) -> int:
+            return len(seq.draft_token_ids) if available is None else available.get(seq.seq_id, 0)
+
+        candidates = [(seq, min(limit, drafts_of(seq), self.config.num_speculative_tokens))
+                      for seq, limit in decodes]
+        candidates = [(seq, limit) for seq, limit in candidates if limit > 0]
+        if not candidates:
+            return {}
+        if not self.config.adaptive:
+            return {seq.seq_id: limit for seq, limit in candidates}
+        model = self.cost_model
+        if not model.ready:
+            return {}  # no cost estimate yet: do not gamble
+        shape = StepShape()
+        for seq, _ in decodes:
+            shape = shape.plus(1, seq.num_computed_tokens)
+        step_seconds, expected_tokens = model.predict(shape), float(len(decodes))
+        heap = [(-seq.spec_acceptance, 1, index) for index, (seq, _) in enumerate(candidates)]
+        heapq.heapify(heap)
+        chosen = [0] * len(candidates)
+        while heap:
+            negative_gain, position, index = heapq.heappop(heap)
+            seq, limit = candidates[index]
+            cost = model.marginal_token_cost(seq.num_computed_tokens + position)
+            gain = -negative_gain
+            if gain * step_seconds <= cost * expected_tokens:
+                break  # the best remaining draft does not pay, so none after it does
+            chosen[index] = position
+            step_seconds += cost
+            expected_tokens += gain
+            if position < limit:
+                heapq.heappush(heap, (-gain * seq.spec_acceptance, position + 1, index))
+        return {seq.seq_id: count for (seq, _), count in zip(candidates, chosen, strict=True) if count}
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A verification's outcome: update the sequence's acceptance estimate and the counters."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+        # Per-draft acceptance given the previous one was accepted: num_accepted successes, then one
+        # failure unless every draft was accepted.
+        trials = num_accepted + (num_accepted < num_drafts)
+        seq.spec_acceptance += ACCEPTANCE_RATE * (num_accepted / trials - seq.spec_acceptance)
+        seq.timeline.num_draft_tokens += num_drafts
+        seq.timeline.num_accepted_tokens += num_accepted
