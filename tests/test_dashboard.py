@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from harness.router import RouterProcess
 from harness.server import ServerProcess
 from tests.dashboard_browser import dashboard_page, load_until, polls, screenshot, series, wait_polls
+from titan.bench.metrics_scraper import MetricsSample
 from titan.dashboard.page import asset
 from titan.dashboard.server_view import DashboardSettings
-from titan.dashboard.spikes import SpikeTracker
+from titan.dashboard.spikes import LiveSpike, SpikeTracker, attribute_live
 from titan.dashboard.window import History, histogram_quantile, read_registry
 
 
@@ -164,3 +165,17 @@ def test_router_dashboard_per_backend_in_chromium(tmp_path: Path) -> None:
     finally:
         for server in servers:
             server.stop()
+
+
+def test_live_spikes_are_attributed_like_titan_bench() -> None:
+    spike = LiveSpike("itl", start=100.0, end=102.0, peak=0.9, baseline=0.05)
+    steps = [{"t": 90.0 + 0.05 * i, "duration": 0.05, "num_prefill_tokens": 0, "num_preemptions": 0,
+              "gc_pause": 0.0} for i in range(100)]
+    steps.append({"t": 100.5, "duration": 0.8, "num_prefill_tokens": 512, "num_preemptions": 1, "gc_pause": 0.0})
+    scrapes = [MetricsSample(98.0 + t, {"waiting": 0.0 if t < 3 else 6.0, "running": 2.0, "kv_usage": 0.3})
+               for t in range(6)]
+    attribute_live(spike, scrapes, steps, ready_t=0.0)
+    text = " | ".join(spike.causes)
+    assert "prefill interference" in text and "512 prefill tokens" in text
+    assert "preemption" in text and "queue grew from 0 to 6" in text
+    assert spike.to_json(0.0)["magnitude"] == pytest.approx(18.0)
