@@ -129,6 +129,15 @@ def test_prefix_affinity_raises_the_prefix_cache_hit_rate(fleet: Fleet) -> None:
     assert affinity > 0.6
 
 
+def test_score_policy_finds_the_cached_prefix(fleet: Fleet) -> None:
+    servers = fleet.alive()
+    round_robin = hit_rate(servers, "round-robin", shared_prefix_prompts("rr2"))
+    score = hit_rate(servers, "score", shared_prefix_prompts("sc"))
+    print(f"prefix-cache hit rate: round-robin {round_robin:.3f}, score {score:.3f}")
+    assert score > round_robin + 0.2
+    assert score > 0.6
+
+
 @dataclass
 class Outcome:
     stream: bool

@@ -14,6 +14,7 @@ from types import MappingProxyType
 import torch
 
 from titan.config import EngineConfig
+from titan.engine import fault_injection
 from titan.engine.admission import AdmissionController
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel
@@ -142,6 +143,7 @@ class LLMEngine:
         self.gc_monitor = GcMonitor.install()
         self.observer = StepObserver(self.cost_model, self.gc_monitor, self.speculation)
         sampler = Sampler(eos, seed=config.seed)
+        self.step_faults = fault_injection.from_environment()
         self.runner = ModelRunner(files.config, files.weights, self.num_blocks, block_size, self.device,
                                   self.dtype, sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -193,6 +195,7 @@ class LLMEngine:
         started, gc_pause_before = time.monotonic(), self.gc_monitor.total_pause_seconds
         decision = self.scheduler.schedule()
         scheduled_seqs = [self.scheduler.sequences.get(s.seq_id) for s in decision.scheduled]
+        self.step_faults.check(bool(decision.scheduled))  # test-only; off unless TITAN_TEST_FAIL_STEP_EVERY
         result = self.runner.execute(decision)
         duration = time.monotonic() - started
         advanced = self.scheduler.commit(decision, result)

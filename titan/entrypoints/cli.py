@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from titan.router.args import add_arguments as add_router_arguments  # light: argparse only
 
     add_router_arguments(commands.add_parser("router", help="OpenAI-compatible gateway across Titan replicas"))
+    from titan.chaos.cli import add_arguments as add_chaos_arguments  # light: argparse only
+
+    add_chaos_arguments(commands.add_parser("chaos", help="fault scenarios against a local router and replicas"))
     return parser
 
 

@@ -9,6 +9,7 @@ Endpoints:
 - `GET /health`: 200 while the router runs. `GET /ready`: 200 while at least one backend is in the
   pool, else 503; the body lists every backend's state (and those that left but still finish requests).
 - `GET /metrics`: `titan_router:*` (metrics.py).
+- `GET /dashboard`: the live dashboard, per backend (titan/dashboard); its data is `GET /debug/dashboard`.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from titan.dashboard.router_routes import DashboardRoutes
 from titan.router.backend import BackendPool
 from titan.router.config import BackendSpec, RouterConfig
+from titan.router.degrade import Degrader
 from titan.router.discovery import DnsDiscovery, Resolver, dns_resolver
 from titan.router.health import HealthChecker
 from titan.router.metrics import RouterMetrics
 from titan.router.policies import make_policy
 from titan.router.proxy import Proxy, forwarded_headers
 from titan.router.responses import PlainResponse
+from titan.router.scoring import score_policy
 
 logger = logging.getLogger("titan.router")
 
@@ -46,12 +50,17 @@ class RouterApp:
         self.resolver = resolver or dns_resolver(config.discover_family)
         names = [spec.name for spec in config.backends]
         self.metrics = RouterMetrics(names)
-        policy = make_policy(config.policy, names, config.load_factor, config.min_load, config.seed)
+        policy = (score_policy(config) if config.policy == "score"
+                  else make_policy(config.policy, names, config.load_factor, config.min_load, config.seed))
         self.pool = BackendPool(config.backends, policy)
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
         self.proxy: Proxy | None = None
         self.discovery: DnsDiscovery | None = None
+        self.dashboard = DashboardRoutes(self)
+        self.degrader = (Degrader(self.pool, self.metrics.registry, config.interactive_ttft_slo_ms / 1000,
+                                  config.batch_ttft_slo_ms / 1000)
+                         if any(spec.pool for spec in config.backends) else None)
 
     # ---- lifespan ------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -65,8 +74,9 @@ class RouterApp:
             trust_env=False,  # an HTTP(S)_PROXY meant for the internet must not catch backend traffic
         )
         self.health = HealthChecker(self.pool, self.client, self.metrics, config.health_interval,
-                                    config.health_timeout, scrape_load=config.policy == "least-load")
+                                    config.health_timeout, scrape_load=True)
         self.proxy = Proxy(config, self.pool, self.client, self.metrics, self.health)
+        self.proxy.degrader = self.degrader
         self.health.start()
         if config.discover_dns:
             self.discovery = DnsDiscovery(config.discover_dns, self, config.discover_interval, self.resolver,
@@ -127,7 +137,9 @@ class RouterApp:
             assert self.proxy is not None, "the lifespan did not start"
             await self.proxy.handle(scope, receive, send)
             return
-        if method not in ("GET", "HEAD"):
+        if self.dashboard.handles(path):
+            response = await self.dashboard.answer(scope)
+        elif method not in ("GET", "HEAD"):
             response = PlainResponse.error(HTTPStatus.METHOD_NOT_ALLOWED, "Method Not Allowed", "method_not_allowed")
         elif path == "/health":
             response = json_response({"status": "ok"})

@@ -36,6 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     discovery.add_argument("--discover-family", choices=ADDRESS_FAMILIES, default=None,
                            help="which addresses to take, e.g. ipv4 for servers listening on 0.0.0.0 "
                                 f"(default {DEFAULTS.discover_family})")
+    score = parser.add_argument_group("score (the default policy: expected prefix-cache hit and load)")
+    for name, what in (("prefix", "expected prefix-cache hit (share of the prompt's blocks recently sent there)"),
+                       ("ttft", "predicted TTFT (queued prefill + this prompt's uncached part, at the scraped "
+                                "step cost), relative to the best candidate's"),
+                       ("queue", "load: outstanding + scraped waiting, relative to the busiest candidate"),
+                       ("kv", "free KV cache (scraped)")):
+        score.add_argument(f"--score-{name}-weight", type=float, default=None,
+                           help=f"weight of the {what} (default {getattr(DEFAULTS, f'score_{name}_weight'):g})")
+    score.add_argument("--score-prefix-chars", type=int, default=None,
+                       help="prompt characters hashed into --chunk-chars blocks (default "
+                            f"{DEFAULTS.score_prefix_chars})")
+    score.add_argument("--score-blocks-per-backend", type=int, default=None,
+                       help="block hashes remembered per backend, least recently sent dropped first "
+                            f"(default {DEFAULTS.score_blocks_per_backend})")
     affinity = parser.add_argument_group("prefix-affinity")
     affinity.add_argument("--prefix-chars", type=int, default=None,
                           help=f"characters of the prompt that make its key (default {DEFAULTS.prefix_chars}); "
@@ -62,6 +76,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     health.add_argument("--retries", type=int, default=None,
                         help=f"other backends tried after a failure before the first byte (default "
                              f"{DEFAULTS.retries})")
+    dashboard = parser.add_argument_group("live dashboard (GET /dashboard)")
+    dashboard.add_argument("--debug-api-key-file", default=None, metavar="PATH",
+                           help="require 'Authorization: Bearer KEY' (the file's first line) on /debug/*, the "
+                                "dashboard's data (default: $TITAN_ROUTER_DEBUG_KEY if set, else open)")
+    dashboard.add_argument("--dashboard-window", type=float, default=None, metavar="SECONDS",
+                           help=f"seconds behind each P50/P99 (default {DEFAULTS.dashboard_window:g})")
+    dashboard.add_argument("--dashboard-history", type=int, default=None, metavar="N",
+                           help=f"metric snapshots kept, one per poll (default {DEFAULTS.dashboard_history})")
+    dashboard.add_argument("--dashboard-max-spikes", type=int, default=None, metavar="N",
+                           help=f"spikes remembered (default {DEFAULTS.dashboard_max_spikes})")
+    pools = parser.add_argument_group("model pools: degrade to a faster model under load")
+    pools.add_argument("--pool", action="append", default=None, dest="pools", metavar="NAME=URL[,URL...]",
+                       help="backends of the primary or the fallback pool (repeatable; --backend URLs join "
+                            "primary); batch requests, and interactive ones sending 'X-Titan-Allow-Degrade: true', "
+                            "go to the fallback when the primary's predicted TTFT is over their SLO")
+    pools.add_argument("--interactive-ttft-slo-ms", type=float, default=None,
+                       help=f"(default {DEFAULTS.interactive_ttft_slo_ms:g})")
+    pools.add_argument("--batch-ttft-slo-ms", type=float, default=None,
+                       help="for requests sent with 'X-Titan-Priority: batch' (default "
+                            f"{DEFAULTS.batch_ttft_slo_ms:g})")
     server = parser.add_argument_group("server")
     server.add_argument("--max-request-body-bytes", type=int, default=None)
     server.add_argument("--drain-timeout", type=float, default=None,

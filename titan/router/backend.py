@@ -31,10 +31,13 @@ class Backend:
     outstanding: int = 0  # requests this router has open on it (sent, response not finished)
     waiting: float | None = None  # scraped num_requests_waiting (None: not scraped / not exposed)
     kv_cache_usage: float | None = None  # scraped kv_cache_usage_perc, 0 to 1
+    seconds_per_token: float | None = None  # fitted from scraped step metrics (step_cost.py)
+    step_overhead: float | None = None  # seconds per engine step beyond its tokens (step_cost.py)
     models: frozenset[str] | None = None  # model ids from /v1/models (None: unknown, may serve anything)
     readiness_path: str = "/ready"  # Titan's; "/health" once a backend answers 404 to /ready
     not_ready_reason: str = field(default="not polled yet")
     retired: bool = False  # left the pool (no longer discovered): no new requests, open ones finish
+    pool: str | None = None  # model pool (degrade.py), None without pools
 
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
@@ -42,7 +45,7 @@ class Backend:
 
 class BackendPool:
     def __init__(self, specs: Iterable[BackendSpec], policy: Policy) -> None:
-        self.backends = [Backend(spec.url, spec.name, index) for index, spec in enumerate(specs)]
+        self.backends = [Backend(spec.url, spec.name, index, pool=spec.pool) for index, spec in enumerate(specs)]
         self.next_index = len(self.backends)
         self.retiring: dict[str, Backend] = {}  # removed, with requests still open on them
         self.policy = policy
@@ -107,6 +110,10 @@ class BackendPool:
                 say(f"backend {backend.name} ({backend.url}) joined the pool")
             else:
                 say(f"backend {backend.name} ({backend.url}) left the pool: {reason}")
+        if not ready and backend.ready:
+            forget = getattr(self.policy, "forget", None)  # a policy that tracks per-backend cache state
+            if forget is not None:
+                forget(backend.name)
         backend.ready = ready
         backend.not_ready_reason = "" if ready else reason
 
@@ -121,4 +128,7 @@ class BackendPool:
         candidates = self.candidates(info.model, exclude)
         if not candidates:
             return None
+        choose_for = getattr(self.policy, "choose_for", None)  # policies that read more than the key
+        if choose_for is not None:
+            return choose_for(candidates, info)
         return self.policy.choose(candidates, info.key)

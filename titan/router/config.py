@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-POLICIES = ("round-robin", "least-load", "prefix-affinity")
+POLICIES = ("score", "round-robin", "least-load", "prefix-affinity")
 ADDRESS_FAMILIES = ("any", "ipv4", "ipv6")
 # A DNS name (letters, digits, '-', '_', dots) or an IP literal (IPv6 given in brackets).
 DNS_HOST = re.compile(r"[a-z0-9_.-]+|[0-9a-f:.]+")
@@ -41,6 +41,7 @@ class ConfigError(ValueError):
 class BackendSpec:
     url: str  # the server's root, e.g. http://10.0.0.5:8000 (a trailing /v1 is dropped)
     name: str  # the `backend` label in metrics and logs; host:port unless given
+    pool: str | None = None  # model pool (degrade.py): primary | fallback; None without --pool
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class RouterConfig:
     discover_family: str = "any"
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    policy: str = "prefix-affinity"
+    policy: str = "score"
     # prefix-affinity: the key is the prompt's first `prefix_chars` characters in whole `chunk_chars` chunks.
     prefix_chars: int = 256
     chunk_chars: int = 64
@@ -72,6 +73,13 @@ class RouterConfig:
     # max(ceil(load_factor * mean after adding this one), min_load).
     load_factor: float = 1.25
     min_load: int = 4
+    # score (scoring.py): weights of the scorers, prompt characters hashed into blocks, blocks remembered per backend.
+    score_prefix_weight: float = 1.0
+    score_ttft_weight: float = 2.0
+    score_queue_weight: float = 0.5
+    score_kv_weight: float = 0.25
+    score_prefix_chars: int = 16384
+    score_blocks_per_backend: int = 32768
     health_interval: float = 1.0  # seconds between readiness polls (and load scrapes) of each backend
     health_timeout: float = 5.0
     connect_timeout: float = 3.0
@@ -81,6 +89,14 @@ class RouterConfig:
     drain_timeout: float = 25.0  # on SIGTERM, seconds open requests get before connections are closed
     access_log: bool = False
     seed: int | None = None  # for least-load's random choices (tests)
+    # Live dashboard (GET /dashboard; its data at /debug/dashboard needs this key when one is given).
+    debug_api_key_file: str | None = None
+    dashboard_window: float = 30.0
+    dashboard_history: int = 600
+    dashboard_max_spikes: int = 50
+    # Model pools (degrade.py): a request's class SLO on the primary's predicted TTFT, in milliseconds.
+    interactive_ttft_slo_ms: float = 2000.0
+    batch_ttft_slo_ms: float = 8000.0
 
     def validate(self) -> RouterConfig:
         if not self.backends and not self.discover_dns:
@@ -105,7 +121,23 @@ class RouterConfig:
             raise ConfigError("load_factor must be at least 1 (1 = perfectly even, no affinity under load)")
         if self.min_load < 1 or self.retries < 0:
             raise ConfigError("min_load must be at least 1 and retries at least 0")
-        for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval"):
+        if min(self.score_prefix_weight, self.score_ttft_weight, self.score_queue_weight, self.score_kv_weight) < 0:
+            raise ConfigError("score weights must not be negative")
+        if self.score_prefix_chars < self.chunk_chars or self.score_blocks_per_backend < 1:
+            raise ConfigError("need score_prefix_chars >= chunk_chars and score_blocks_per_backend >= 1")
+        pools = {backend.pool or "primary" for backend in self.backends}  # --backend URLs join primary
+        if any(backend.pool for backend in self.backends):
+            if pools != {"primary", "fallback"}:
+                raise ConfigError("pools are named primary and fallback, and both need a backend "
+                                  "(--pool primary=URL[,URL] --pool fallback=URL[,URL])")
+            if self.discover_dns:
+                raise ConfigError("--pool and --discover-dns do not combine yet: discovered backends have no pool")
+            self.backends = [spec if spec.pool else dataclasses.replace(spec, pool="primary")
+                             for spec in self.backends]
+        if self.dashboard_history < 2 or self.dashboard_max_spikes < 1:
+            raise ConfigError("need dashboard_history >= 2 and dashboard_max_spikes >= 1")
+        for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval",
+                     "dashboard_window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         return self
@@ -133,6 +165,20 @@ def parse_backend(entry: Any) -> BackendSpec:
     if parts.query or parts.fragment:
         raise ConfigError(f"a backend URL takes no query or fragment: {entry!r}")
     return BackendSpec(url, str(name) if name else parts.netloc)
+
+
+def parse_pools(entries: list[Any]) -> list[BackendSpec]:
+    """`NAME=URL[,URL...]` strings → backends labelled with their pool."""
+    specs = []
+    for entry in entries:
+        if not isinstance(entry, str) or "=" not in entry:
+            raise ConfigError(f"a pool is NAME=URL[,URL...], got {entry!r}")
+        name, urls = entry.split("=", 1)
+        name = name.strip()
+        if not urls.strip():
+            raise ConfigError(f"pool {name!r} names no backend")
+        specs.extend(dataclasses.replace(parse_backend(url), pool=name) for url in urls.split(","))
+    return specs
 
 
 def parse_dns_target(entry: Any) -> DnsTarget:
@@ -185,7 +231,7 @@ def number(name: str, value: Any, kind: type[int] | type[float]) -> int | float:
 
 def build_config(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -> RouterConfig:
     """Defaults ← file ← flags (flags that were not given are None and change nothing)."""
-    known = {item.name for item in dataclasses.fields(RouterConfig)}
+    known = {item.name for item in dataclasses.fields(RouterConfig)} | {"pools"}
     unknown = sorted(set(file_settings) - known)
     if unknown:
         raise ConfigError(f"unknown settings in the config file: {', '.join(unknown)}")
@@ -194,12 +240,15 @@ def build_config(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -
     backends = merged.pop("backends", None) or []
     if not isinstance(backends, list):
         raise ConfigError("'backends' must be a list")
+    pools = merged.pop("pools", None) or []
+    if not isinstance(pools, list):
+        raise ConfigError("'pools' must be a list of NAME=URL[,URL...] strings")
     targets = merged.pop("discover_dns", None) or []
     if isinstance(targets, str):  # one name needs no list
         targets = [targets]
     if not isinstance(targets, list):
         raise ConfigError("'discover_dns' must be a HOST:PORT string or a list of them")
-    config = RouterConfig(backends=[parse_backend(entry) for entry in backends],
+    config = RouterConfig(backends=[parse_backend(entry) for entry in backends] + parse_pools(pools),
                           discover_dns=[parse_dns_target(entry) for entry in targets])
     defaults = RouterConfig()
     for name, value in merged.items():

@@ -19,6 +19,7 @@ import httpx
 from titan.bench.metrics_scraper import parse_prometheus_text
 from titan.router.backend import Backend, BackendPool
 from titan.router.metrics import RouterMetrics
+from titan.router.step_cost import StepCost, step_totals
 
 logger = logging.getLogger("titan.router")
 
@@ -54,6 +55,7 @@ class HealthChecker:
         self.scrape_load = scrape_load
         self.tasks: dict[str, asyncio.Task[None]] = {}  # one poller per pool member, by name
         self.models_read_at: dict[str, float] = {}
+        self.step_costs: dict[str, StepCost] = {}  # per backend, from its scraped step metrics
         self.ejections: dict[str, int] = {}  # per backend: bumped by `eject`, so a poll in flight is stale
 
     def start(self) -> None:
@@ -70,6 +72,7 @@ class HealthChecker:
         if task is not None:
             task.cancel()
         self.models_read_at.pop(backend.name, None)
+        self.step_costs.pop(backend.name, None)
         self.ejections.pop(backend.name, None)
 
     async def stop(self) -> None:
@@ -145,6 +148,9 @@ class HealthChecker:
             response = await self.client.get(backend.url + "/metrics", timeout=self.timeout)
             response.raise_for_status()
             backend.waiting, backend.kv_cache_usage = load_gauges(response.text)
+            cost = self.step_costs.setdefault(backend.name, StepCost())
+            cost.update(step_totals(response.text))
+            backend.step_overhead, backend.seconds_per_token = cost.overhead, cost.per_token
         except httpx.HTTPError:
             backend.waiting = backend.kv_cache_usage = None
         for gauge, value in ((self.metrics.waiting, backend.waiting),

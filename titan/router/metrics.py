@@ -45,10 +45,10 @@ class RouterMetrics:
                            registry=self.registry)
         self.outstanding = Gauge(PREFIX + "backend_outstanding", "Requests open on the backend.", backend,
                                  registry=self.registry)
-        self.waiting = Gauge(PREFIX + "backend_waiting", "Scraped num_requests_waiting (least-load only).",
+        self.waiting = Gauge(PREFIX + "backend_waiting", "Scraped num_requests_waiting.",
                              backend, registry=self.registry)
         self.kv_cache_usage = Gauge(PREFIX + "backend_kv_cache_usage",
-                                    "Scraped kv_cache_usage_perc, 0 to 1 (least-load only).", backend,
+                                    "Scraped kv_cache_usage_perc, 0 to 1.", backend,
                                     registry=self.registry)
         self.unrouted = Counter(PREFIX + "unrouted_total", "Requests the router answered itself.", ["reason"],
                                 registry=self.registry)

@@ -31,6 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from titan.router.backend import Backend, BackendPool
 from titan.router.config import RouterConfig
+from titan.router.degrade import DEGRADED_HEADER, Degrader
 from titan.router.health import HealthChecker
 from titan.router.metrics import RouterMetrics
 from titan.router.request_key import routing_info
@@ -141,6 +142,7 @@ class Proxy:
         self.config = config
         self.pool = pool
         self.client = client
+        self.degrader: Degrader | None = None  # set by the app when pools are configured
         self.metrics = metrics
         self.health = health
 
@@ -172,16 +174,21 @@ class Proxy:
                 await outcome.close()
 
     async def route(self, scope: Scope, body: bytes) -> Outcome:
-        info = routing_info(scope["path"], body, self.config.prefix_chars, self.config.chunk_chars)
+        info = routing_info(scope["path"], body, self.config.prefix_chars, self.config.chunk_chars,
+                            self.config.score_prefix_chars if self.config.policy == "score" else 0)
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
         headers = forwarded_headers(scope)
+        decision = self.degrader.decide(info, headers, body) if self.degrader is not None else None
+        if decision is not None:
+            info, body = decision.info, decision.body
+        excluded = decision.exclude if decision is not None else frozenset()
         tried: set[str] = set()
         failure: Failure | None = None
         answer: PlainResponse | None = None  # the last backend answer (e.g. Titan's 503 while draining)
         for _ in range(1 + self.config.retries):
-            backend = self.pool.choose(info, tried)
+            backend = self.pool.choose(info, tried | excluded)
             if backend is None:
                 break
             if failure is not None:
@@ -191,6 +198,8 @@ class Proxy:
             tried.add(backend.name)
             result = await self.attempt(backend, scope["method"], target.decode("latin-1"), headers, body)
             if isinstance(result, PassThrough):
+                if decision is not None and decision.degraded_model is not None:
+                    result.extra_headers.append((DEGRADED_HEADER, f"model={decision.degraded_model}".encode()))
                 return result
             failure = result
             answer = result.answer or answer

@@ -27,6 +27,8 @@ ROLE_SEPARATOR = "\x1f"
 class RoutingInfo:
     model: str | None = None
     key: bytes | None = None  # None: no affinity (not a completion or chat, or no prompt)
+    blocks: tuple[bytes, ...] = ()  # chained block hashes of the prompt text (the score policy's; scoring.py)
+    prompt_chars: int = 0
 
 
 def content_text(content: Any) -> str:
@@ -90,7 +92,20 @@ def affinity_key(text: str, prefix_chars: int, chunk_chars: int) -> bytes | None
     return hashlib.blake2b(leading.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-def routing_info(path: str, body: bytes, prefix_chars: int, chunk_chars: int) -> RoutingInfo:
+def block_hashes(text: str, chunk_chars: int, max_chars: int) -> tuple[bytes, ...]:
+    """Chained hashes of the text's whole `chunk_chars` blocks within its first `max_chars` characters
+    (each hash covers its block and every block before it, as vLLM's KV block hashes do)."""
+    hashes: list[bytes] = []
+    previous = b""
+    limit = min(len(text), max_chars)
+    for start in range(0, limit - chunk_chars + 1, chunk_chars):
+        chunk = text[start:start + chunk_chars].encode("utf-8", "surrogatepass")
+        previous = hashlib.blake2b(previous + chunk, digest_size=12).digest()
+        hashes.append(previous)
+    return tuple(hashes)
+
+
+def routing_info(path: str, body: bytes, prefix_chars: int, chunk_chars: int, block_chars: int = 0) -> RoutingInfo:
     """Never fails: a body that is not JSON is routed without a key and the backend answers it."""
     if not body:
         return RoutingInfo()
@@ -103,4 +118,5 @@ def routing_info(path: str, body: bytes, prefix_chars: int, chunk_chars: int) ->
     model = parsed.get("model")
     text = prompt_text(path, parsed)
     key = affinity_key(text, prefix_chars, chunk_chars) if text else None
-    return RoutingInfo(model if isinstance(model, str) else None, key)
+    blocks = block_hashes(text, chunk_chars, block_chars) if text and block_chars else ()
+    return RoutingInfo(model if isinstance(model, str) else None, key, blocks, len(text) if text else 0)

@@ -110,6 +110,7 @@ class PassThrough:
         self.release = release  # called once, when the response is over (the backend's outstanding count)
         self.completed = False
         self.closed = False
+        self.extra_headers: list[tuple[bytes, bytes]] = []  # the router's own, e.g. x-titan-degraded
 
     async def send_to(self, send: Send) -> None:
         try:
@@ -123,6 +124,7 @@ class PassThrough:
         headers = [(name.lower(), value) for name, value in self.response.headers.raw
                    if name.lower() not in HOP_BY_HOP]
         headers.append((BACKEND_HEADER, self.backend.name.encode()))
+        headers.extend(self.extra_headers)
         await send({"type": "http.response.start", "status": self.response.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": self.first, "more_body": not self.finished})
         if self.finished:

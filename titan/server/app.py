@@ -7,6 +7,7 @@ Endpoints:
 - `GET /ready`: readiness. 503 until the model is loaded and warmed up, 200 while serving, 503 again
   from the moment draining (SIGTERM) begins. The body says which: starting | ready | draining | failed.
 - `GET /metrics` (Prometheus text), `GET /version`.
+- `GET /dashboard`: the live dashboard page (static; its data, `GET /debug/dashboard`, needs the API key).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from titan.dashboard.routes import install_dashboard
+from titan.dashboard.server_view import DashboardSettings, ServerDashboard
 from titan.engine.step_observer import StepRecord
 from titan.kernels import build as kernels
 from titan.server.async_engine import AsyncEngine
@@ -86,6 +89,7 @@ def build_app(
     log_requests: bool = False,
     gateway: Gateway | None = None,
     tenants: TenantRegistry | None = None,
+    dashboard: DashboardSettings | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread (load + warm-up run in it) and stops it."""
     state = ServerState(engine, served_model_name, max_sequences_per_request, tool_call_parser, log_requests)
@@ -193,6 +197,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, create_chat_completion)
 
+    install_dashboard(app, ServerDashboard(engine, dashboard or DashboardSettings()).data)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if tenants is not None:

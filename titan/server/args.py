@@ -48,3 +48,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_arguments(parser)
     group.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                        help="log every HTTP request (at INFO)")
+    dashboard = parser.add_argument_group("live dashboard (GET /dashboard)")
+    dashboard.add_argument("--dashboard-window", type=float, default=30.0, metavar="SECONDS",
+                           help="seconds of observations behind each P50/P99 the dashboard shows")
+    dashboard.add_argument("--dashboard-history", type=int, default=600, metavar="N",
+                           help="metric snapshots kept for it (one per poll)")
+    dashboard.add_argument("--dashboard-max-spikes", type=int, default=50, metavar="N",
+                           help="latency spikes it remembers and lists")

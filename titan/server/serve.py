@@ -26,6 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
+from titan.dashboard.server_view import DashboardSettings
 from titan.engine.llm_engine import LLMEngine
 from titan.loader import ModelNotFoundError, resolve_model_path
 from titan.server.app import build_app
@@ -148,6 +149,10 @@ def read_api_key(flag: str | None, path: str | None) -> str | None:
     return os.environ.get("TITAN_API_KEY") or None
 
 
+def dashboard_settings(args: argparse.Namespace) -> DashboardSettings:
+    return DashboardSettings(args.dashboard_window, args.dashboard_history, args.dashboard_max_spikes)
+
+
 def run_server(args: argparse.Namespace) -> int:
     started = process_start_time()
     try:
@@ -169,7 +174,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncEngine(lambda: LLMEngine(config), warmup=args.warmup)
     app = build_app(engine, args.served_model_name, api_key, args.max_request_body_bytes,
                     args.max_sequences_per_request, args.metrics_require_key, args.tool_call_parser,
-                    args.enable_log_requests, gateway, tenants)
+                    args.enable_log_requests, gateway, tenants, dashboard_settings(args))
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_CLOSE_SECONDS, lifespan="on",

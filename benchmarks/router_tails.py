@@ -1,0 +1,173 @@
+"""TTFT tails per routing policy on a multi-prefix workload, through `titan router` over real replicas.
+
+Workload: `--prefixes` distinct `--prefix-words`-word prefixes (like one long system prompt per
+application), each request one of them picked at random plus a short distinct question, streamed with
+`--max-tokens` output tokens, sent open loop at `--rate` req/s (Poisson arrivals) until `--requests` went
+out. TTFT is the client's: send to the first content event. Each policy gets fresh prefixes (no cache
+carried over) and the same arrival times and prefix picks.
+
+    .venv/bin/python benchmarks/router_tails.py [--servers 3] [--policies score round-robin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from common import write_result
+
+from harness.router import RouterProcess
+from harness.server import ServerProcess
+
+SERVER_ARGS = ["--model", "default", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+               "--kv-cache-memory", "0.2", "--drain-timeout", "10"]
+SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+ROUTER_ARGS = ["--health-interval", "0.25"]
+WORDS = ("store tool paint garden supply fastener key cutting mixing rental aisle shelf price order customer "
+         "delivery hammer drill screw bolt nut washer hinge lock chain rope ladder bucket brush roller tape "
+         "glue saw blade wrench pliers clamp level ruler pencil glove mask boot hose sprinkler seed soil "
+         "fertilizer mulch shovel rake hoe wheelbarrow lamp bulb switch socket cable wire fuse battery").split()
+
+
+def make_prefix(tag: str, number: int, words: int) -> str:
+    chooser = random.Random(f"{tag}-{number}")
+    body = " ".join(chooser.choice(WORDS) for _ in range(words))
+    return f"Application {tag}-{number}. You answer questions using these notes: {body}. "
+
+
+def plan(requests: int, prefixes: int, rate: float, seed: int) -> list[tuple[float, int]]:
+    """(send offset in seconds, prefix number) per request: the same for every policy."""
+    chooser = random.Random(seed)
+    offsets, at = [], 0.0
+    for _ in range(requests):
+        offsets.append((at, chooser.randrange(prefixes)))
+        at += chooser.expovariate(rate)
+    return offsets
+
+
+def stream_ttft(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    sent = time.perf_counter()
+    outcome: dict[str, Any] = {"ok": False, "ttft": None, "backend": None}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
+            outcome["backend"] = reply.headers.get("x-titan-router-backend")
+            if reply.status_code != 200:
+                reply.read()
+                outcome["status"] = reply.status_code
+                return outcome
+            for line in reply.iter_lines():
+                if line == "data: [DONE]":
+                    outcome["ok"] = outcome["ttft"] is not None
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return outcome
+                    if outcome["ttft"] is None and chunk["choices"][0].get("text"):
+                        outcome["ttft"] = time.perf_counter() - sent
+    except httpx.HTTPError as error:
+        outcome["error"] = str(error)
+    return outcome
+
+
+def policy_run(servers: list[ServerProcess], policy: str, schedule: list[tuple[float, int]], prefix_words: int,
+               max_tokens: int) -> dict[str, Any]:
+    prefixes = [make_prefix(policy, number, prefix_words) for number in range(max(p for _, p in schedule) + 1)]
+    with RouterProcess([server.url for server in servers], ["--policy", policy, *ROUTER_ARGS]) as router:
+        outcomes: list[dict[str, Any]] = [{} for _ in schedule]
+        threads = []
+        started = time.perf_counter()
+        for index, (offset, prefix) in enumerate(schedule):
+            time.sleep(max(0.0, started + offset - time.perf_counter()))
+            prompt = f"{prefixes[prefix]}Question {index}: which aisle has item {index}?"
+
+            def send(index: int = index, prompt: str = prompt) -> None:
+                outcomes[index] = stream_ttft(router.url, prompt, max_tokens)
+
+            thread = threading.Thread(target=send)
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+    ttfts = np.asarray([o["ttft"] for o in outcomes if o.get("ok")]) * 1000
+    per_backend: dict[str, int] = {}
+    for outcome in outcomes:
+        per_backend[str(outcome.get("backend"))] = per_backend.get(str(outcome.get("backend")), 0) + 1
+    return {"policy": policy, "requests": len(schedule), "succeeded": int(len(ttfts)),
+            "failed": len(schedule) - int(len(ttfts)),
+            "ttft_p50_ms": float(np.percentile(ttfts, 50)) if len(ttfts) else None,
+            "ttft_p99_ms": float(np.percentile(ttfts, 99)) if len(ttfts) else None,
+            "ttft_max_ms": float(ttfts.max()) if len(ttfts) else None,
+            "requests_per_backend": sorted(per_backend.values(), reverse=True)}
+
+
+def start_servers(count: int) -> list[ServerProcess]:
+    servers = [ServerProcess(SERVER_ARGS, env=SERVER_ENV) for _ in range(count)]
+    threads = [threading.Thread(target=server.start) for server in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return servers
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    schedule = plan(args.requests, args.prefixes, args.rate, args.seed)
+    servers = start_servers(args.servers)
+    runs = {}
+    try:
+        for policy in args.policies:
+            runs[policy] = policy_run(servers, policy, schedule, args.prefix_words, args.max_tokens)
+            result = runs[policy]
+            print(f"{policy:>16}: TTFT P50/P99 {result['ttft_p50_ms']:.0f} / {result['ttft_p99_ms']:.0f} ms "
+                  f"(max {result['ttft_max_ms']:.0f}), {result['succeeded']}/{result['requests']} ok, "
+                  f"per backend {result['requests_per_backend']}", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+            if server.log_path is not None:
+                server.log_path.unlink(missing_ok=True)
+    baseline = runs.get("round-robin", {}).get("ttft_p99_ms")
+    ratios = {policy: baseline / run["ttft_p99_ms"] for policy, run in runs.items()
+              if baseline and run.get("ttft_p99_ms")}
+    for policy, ratio in ratios.items():
+        print(f"{policy:>16}: P99 {ratio:.2f}x better than round-robin", flush=True)
+    return {"workload": {key: getattr(args, key) for key in ("servers", "prefixes", "prefix_words", "requests",
+                                                              "rate", "max_tokens", "seed")},
+            "server_args": SERVER_ARGS, "server_env": SERVER_ENV, "runs": runs,
+            "p99_speedup_vs_round_robin": ratios}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--prefixes", type=int, default=6)
+    parser.add_argument("--prefix-words", type=int, default=400)
+    parser.add_argument("--requests", type=int, default=36)
+    parser.add_argument("--rate", type=float, default=0.5)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", default=["round-robin", "prefix-affinity", "score"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/router_tails.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("TITAN_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".titan-cache"))
+    result = run(args)
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    write_result(args.output, result)
+
+
+if __name__ == "__main__":
+    main()
