@@ -203,3 +203,15 @@ def test_planner_waits_for_a_fitted_cost_model_and_tracks_acceptance() -> None:
     assert planner.stats.num_drafts == 20 and planner.stats.num_draft_tokens == 80
     assert planner.stats.accepted_per_position == [10, 10, 10, 10]
     assert seq.timeline.num_accepted_tokens == 40
+
+
+def test_new_requests_start_at_the_servers_recent_acceptance() -> None:
+    """On a workload whose drafts keep failing, a new request does not start optimistic."""
+    planner = SpeculationPlanner(SpeculativeConfig("ngram", num_speculative_tokens=4), fitted_cost_model(15, 3))
+    fresh = decodes(1, 0.0)[0][0]
+    fresh.spec_acceptance = None
+    assert planner.choose([(fresh, 64)]) != {}  # the prior: worth a try
+    for _ in range(60):
+        planner.record(decodes(1, 0.5)[0][0], 4, 0)
+    assert planner.server_acceptance < 0.05
+    assert planner.choose([(fresh, 64)]) == {}

@@ -32,8 +32,6 @@ class SequenceStatus(enum.Enum):
 
 
 _seq_counter = itertools.count()
-# Speculative decoding's estimate of a draft's acceptance before a sequence was verified at all.
-PRIOR_ACCEPTANCE = 0.6
 
 
 class Sequence:
@@ -82,9 +80,10 @@ class Sequence:
         # Structured outputs: where the output stands in its grammar (set by the engine at admission).
         self.grammar: GrammarState | None = None
         # Speculative decoding: drafts proposed after the last step (verified by the next one) and the
-        # estimated chance that a draft is accepted (see titan.engine.spec.planner).
+        # estimated chance that a draft is accepted (None until verified: the server's recent average is
+        # used; see titan.engine.spec.planner).
         self.draft_token_ids: list[int] = []
-        self.spec_acceptance = PRIOR_ACCEPTANCE
+        self.spec_acceptance: float | None = None
         # A private generator makes seeded sampling independent of the batch it runs in.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:

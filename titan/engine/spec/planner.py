@@ -7,7 +7,8 @@ tokens in a step of predicted length T, the draft pays when the step's tokens pe
 (E + α^j) / (T + c) > E / T, i.e. α^j · T > c · E. Drafts are added best first while that holds. A quiet
 server (E small, T dominated by reading the weights) verifies several drafts; a busy one (E large, T
 growing with the batch) verifies few or none; a sequence whose acceptance collapsed stops drafting, and
-its estimate drifts back towards the prior so it is retried now and then.
+its estimate drifts back towards the server's recent average so it is retried now and then; a new
+request starts at that average.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from dataclasses import dataclass, field
 from titan.config import SpeculativeConfig
 from titan.engine.cost_model import StepCostModel, StepShape, shape_of
 from titan.engine.scheduler_output import ScheduledSequence
-from titan.engine.sequence import PRIOR_ACCEPTANCE, Sequence
+from titan.engine.sequence import Sequence
 
-# How fast acceptance estimates move (a sequence starts at sequence.PRIOR_ACCEPTANCE).
+# How fast acceptance estimates move. A sequence starts at the server's recent average acceptance (itself
+# starting at PRIOR_ACCEPTANCE), so on a workload whose drafts fail, new requests do not start optimistic.
+PRIOR_ACCEPTANCE = 0.6
 ACCEPTANCE_RATE = 0.3
+SERVER_ACCEPTANCE_RATE = 0.05
 # Per step a sequence with drafts is not verified, its estimate relaxes this share back to the prior.
 RELAXATION = 0.02
 
@@ -46,6 +50,10 @@ class SpeculationPlanner:
         self.config = config
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.server_acceptance = PRIOR_ACCEPTANCE
+
+    def acceptance(self, seq: Sequence) -> float:
+        return self.server_acceptance if seq.spec_acceptance is None else seq.spec_acceptance
 
     def observe(self, scheduled: list[ScheduledSequence], seconds: float) -> None:
         """A step ran: learn from it if it only decoded."""
@@ -57,8 +65,8 @@ class SpeculationPlanner:
         with drafts that are not worth verifying drifts back towards the prior acceptance."""
         plan = self.choose(decodes)
         for seq, _ in decodes:
-            if seq.draft_token_ids and seq.seq_id not in plan:
-                seq.spec_acceptance += RELAXATION * (PRIOR_ACCEPTANCE - seq.spec_acceptance)
+            if seq.draft_token_ids and seq.seq_id not in plan and seq.spec_acceptance is not None:
+                seq.spec_acceptance += RELAXATION * (self.server_acceptance - seq.spec_acceptance)
         return plan
 
     def choose(self, decodes: list[tuple[Sequence, int]], available: dict[int, int] | None = None,
@@ -83,7 +91,7 @@ class SpeculationPlanner:
         for seq, _ in decodes:
             shape = shape.plus(1, seq.num_computed_tokens)
         step_seconds, expected_tokens = model.predict(shape), float(len(decodes))
-        heap = [(-seq.spec_acceptance, 1, index) for index, (seq, _) in enumerate(candidates)]
+        heap = [(-self.acceptance(seq), 1, index) for index, (seq, _) in enumerate(candidates)]
         heapq.heapify(heap)
         chosen = [0] * len(candidates)
         while heap:
@@ -97,7 +105,7 @@ class SpeculationPlanner:
             step_seconds += cost
             expected_tokens += gain
             if position < limit:
-                heapq.heappush(heap, (-gain * seq.spec_acceptance, position + 1, index))
+                heapq.heappush(heap, (-gain * self.acceptance(seq), position + 1, index))
         return {seq.seq_id: count for (seq, _), count in zip(candidates, chosen, strict=True) if count}
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
@@ -111,6 +119,9 @@ class SpeculationPlanner:
         # Per-draft acceptance given the previous one was accepted: num_accepted successes, then one
         # failure unless every draft was accepted.
         trials = num_accepted + (num_accepted < num_drafts)
-        seq.spec_acceptance += ACCEPTANCE_RATE * (num_accepted / trials - seq.spec_acceptance)
+        observed = num_accepted / trials
+        estimate = self.acceptance(seq)
+        seq.spec_acceptance = estimate + ACCEPTANCE_RATE * (observed - estimate)
+        self.server_acceptance += SERVER_ACCEPTANCE_RATE * (observed - self.server_acceptance)
         seq.timeline.num_draft_tokens += num_drafts
         seq.timeline.num_accepted_tokens += num_accepted
