@@ -196,6 +196,9 @@ def replica_kill(settings: Settings) -> Verdict:
         return verdict("replica-kill", load, phases, watches[0].result() if watches else None)
 
 
+FREEZE_MAX_SECONDS = 60.0
+
+
 def replica_freeze(settings: Settings) -> Verdict:
     replicas = [replica(SERVER_ARGS), replica(SERVER_ARGS)]
     with Fleet(replicas) as fleet:
@@ -204,8 +207,14 @@ def replica_freeze(settings: Settings) -> Verdict:
         watches: list[RejoinWatch] = []
 
         def heal() -> None:
-            victim.signal(signal.SIGCONT)
             assert fleet.router is not None
+            # Stay frozen until the router's health poll has timed out on it (an event, not a sleep: the
+            # requests that reach the heal point may all have gone to the survivor within the timeout),
+            # bounded so a router that never notices fails the check instead of hanging the suite.
+            deadline = time.monotonic() + FREEZE_MAX_SECONDS
+            while backend_ready(fleet.router, name_of(victim.url)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            victim.signal(signal.SIGCONT)
             watches.append(RejoinWatch(fleet.router, name_of(victim.url)))
 
         phases = Phases(settings.requests, lambda: victim.signal(signal.SIGSTOP), heal)
