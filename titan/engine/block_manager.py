@@ -167,28 +167,28 @@ class BlockManager:
         never published, so they go to the front of the free list."""
         keep = cdiv(num_tokens, self.block_size)
         while len(seq.block_table) > keep:
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block.block_id] = None
-                self.free_blocks.move_to_end(block.block_id, last=False)
+            self._release(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`. Tail blocks go first in line for reuse: they are the least
         likely to be shared; blocks without cached content go to the very front."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.block_hash is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = []
         self.num_registered_blocks.pop(seq.seq_id, None)
         self._forget_in_flight(seq)
 
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; an unreferenced block joins the free list (at the front without cached content)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.block_hash is None:
+                self.free_blocks.move_to_end(block_id, last=False)
+
     def _forget_in_flight(self, seq: Sequence) -> None:
-        """A preempted, finished or trimmed sequence computes none of its unpublished blocks any more."""
+        """A preempted or finished sequence computes none of its unpublished blocks any more."""
         if self.in_flight:
             for block_hash in seq.block_hashes:
                 if self.in_flight.get(block_hash) == seq.seq_id:
