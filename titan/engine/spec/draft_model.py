@@ -74,8 +74,11 @@ class DraftModelDrafter:
             batch = [(seq, shadow) for seq, shadow in drafting if wanted[seq.seq_id] > round_index]
             scheduled = []
             for seq, shadow in batch:
-                pending = (seq.prompt_token_ids + seq.output_token_ids + seq.draft_token_ids)[len(shadow.computed):]
-                shadow.seq.num_computed_tokens = len(shadow.computed)
+                # What the draft cache lacks: the target's tokens it has not seen, then this round's drafts.
+                seen = len(shadow.computed)
+                total = seq.num_tokens
+                pending = seq.token_ids_slice(seen, total) + seq.draft_token_ids[max(0, seen - total):]
+                shadow.seq.num_computed_tokens = seen
                 if not self.block_manager.allocate(shadow.seq, len(pending)):
                     wanted[seq.seq_id] = round_index  # the draft pool is full: stop drafting for it
                     continue
