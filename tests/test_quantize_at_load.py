@@ -75,3 +75,23 @@ def test_engine_config_and_flags_validate_quantization_and_threads() -> None:
     config = engine_config_from_args(parser.parse_args(["--quantization", "int4", "--threads", "3"]))
     assert (config.quantization, config.threads) == ("int4", 3)
     assert 1 <= physical_cores() <= (os.cpu_count() or 1)
+
+
+def test_default_threads_follow_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Replicas sharing a host are split with OMP_NUM_THREADS (the chaos fleet, the router benchmarks, the
+    # Kubernetes manifests); a default that ignored it oversubscribed the cores.
+    import torch
+
+    from titan.kernels.threads import configure_threads, physical_cores
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert configure_threads(None) == 1 and torch.get_num_threads() == 1
+        assert configure_threads(2) == 2  # --threads wins
+        monkeypatch.setenv("OMP_NUM_THREADS", "garbage")
+        assert configure_threads(None) == physical_cores()
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert configure_threads(None) == physical_cores()
+    finally:
+        torch.set_num_threads(before)

@@ -60,8 +60,7 @@ def test_request_level_checks() -> None:
     with pytest.raises(APIError, match="stream_options"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).check()
     CompletionRequest(prompt="x", echo=True, logprobs=1).check()  # scores the prompt
-    with pytest.raises(APIError, match="echo"):
-        CompletionRequest(prompt="x", echo=True, logprobs=1, stream=True).check()
+    CompletionRequest(prompt="x", echo=True, logprobs=1, stream=True).check()  # streamed: with the first token
     with pytest.raises(APIError, match="max_tokens"):
         CompletionRequest(prompt="x", max_tokens=0).check()
     with pytest.raises(APIError, match="top_logprobs"):

@@ -177,7 +177,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_teacher_forcing(server: Serve
     assert scored[0] is None and scored[1:len(ids)] == pytest.approx(logprobs["token_logprobs"][1:], abs=2e-3)
 
 
-def test_vllm_prompt_logprobs_field_and_streaming_refusal(server: ServerProcess) -> None:
+def test_vllm_prompt_logprobs_field(server: ServerProcess) -> None:
     reply = httpx.post(server.url + "/v1/chat/completions",
                        json={"messages": ASK, "max_tokens": 2, "prompt_logprobs": 1}, timeout=120).json()
     entries = reply["choices"][0]["prompt_logprobs"]
@@ -195,9 +195,48 @@ def test_vllm_prompt_logprobs_field_and_streaming_refusal(server: ServerProcess)
         token = entry[str(prompt_ids[position])]
         assert token["decoded_token"] == httpx.post(server.url + "/detokenize", json={"tokens": [prompt_ids[position]]},
                                                     timeout=30).json()["prompt"]
-        streamed = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "echo": True, "logprobs": 1,
-                                                                "stream": True, "max_tokens": 2}, timeout=120)
-    assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "unsupported_parameter"
+
+
+def sse_chunks(server: ServerProcess, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body | {"stream": True}, timeout=300) as reply:
+        assert reply.status_code == 200, reply.read()
+        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_prompt_logprobs_stream_with_the_first_token(server: ServerProcess) -> None:
+    # echo + logprobs, streamed: the prompt's text and logprobs arrive in the first chunk, and the chunks
+    # add up to the whole response.
+    body = {"prompt": "The capital of France is", "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
+    chunks = [chunk["choices"][0] for chunk in sse_chunks(server, "/v1/completions", body) if chunk["choices"]]
+    assert chunks[0]["text"].startswith("The capital of France is")
+    assert chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(chunk["text"] for chunk in chunks) == whole["text"]
+    for key in ("tokens", "text_offset"):
+        assert [item for chunk in chunks if chunk["logprobs"] for item in chunk["logprobs"][key]] == \
+            whole["logprobs"][key]
+    streamed = [item for chunk in chunks if chunk["logprobs"] for item in chunk["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=2e-3)
+    # max_tokens 0 streamed: the prompt scored, nothing generated shown.
+    scored = [chunk["choices"][0] for chunk in sse_chunks(server, "/v1/completions", body | {"max_tokens": 0})
+              if chunk["choices"]]
+    assert "".join(chunk["text"] for chunk in scored) == "The capital of France is"
+    # vLLM's prompt_logprobs field rides on each choice's first chunk, chat and completions alike.
+    chat = {"messages": ASK, "max_tokens": 2, "prompt_logprobs": 1, "temperature": 0, "n": 2}
+    expected = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=300).json()
+    carried = {}
+    for chunk in sse_chunks(server, "/v1/chat/completions", chat):
+        for choice in chunk["choices"]:
+            if "prompt_logprobs" in choice:
+                assert choice["index"] not in carried
+                carried[choice["index"]] = choice["prompt_logprobs"]
+    assert sorted(carried) == [0, 1]
+    reference = expected["choices"][0]["prompt_logprobs"]
+    for entries in carried.values():
+        assert len(entries) == len(reference) and entries[0] is None
+        assert [sorted(entry) for entry in entries[1:]] == [sorted(entry) for entry in reference[1:]]
 
 
 WEATHER = {"type": "function", "function": {
@@ -239,19 +278,29 @@ def test_tool_choice_required_and_named_always_parse(client: openai.OpenAI) -> N
 
 
 def test_streamed_tool_calls_arrive_in_openai_chunks(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model=None, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required",
-                                            parallel_tool_calls=False, max_tokens=120, temperature=0, stream=True)
-    names, arguments, reasons = {}, {}, []
+    ask = {"model": None, "messages": WEATHER_ASK, "tools": TOOLS, "tool_choice": "required",
+           "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}
+    stream = client.chat.completions.create(**ask, stream=True)
+    names, ids, arguments, fragments, reasons = {}, {}, {}, {}, []
     for chunk in stream:
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
             for delta in choice.delta.tool_calls or []:
-                if delta.function.name:
-                    names[delta.index] = delta.function.name
+                if delta.index not in names:  # the first delta of a call announces it whole
+                    assert delta.id.startswith("call_") and delta.type == "function" and delta.function.name
+                    names[delta.index], ids[delta.index] = delta.function.name, delta.id
+                else:
+                    assert delta.function.name is None and delta.id in (None, ids[delta.index])
                 arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+                fragments[delta.index] = fragments.get(delta.index, 0) + bool(delta.function.arguments)
     assert reasons[-1] == "tool_calls" and names
     for index, name in names.items():
         jsonschema.validate(json.loads(arguments[index]), SCHEMAS[name])
+        assert fragments[index] > 1, "the arguments came whole, not as the model wrote them"
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert [call.function.name for call in whole] == [names[index] for index in sorted(names)]
+    assert [json.loads(call.function.arguments) for call in whole] == [
+        json.loads(arguments[index]) for index in sorted(names)]
 
 
 def test_auto_and_a_multi_turn_conversation_with_a_tool_result(client: openai.OpenAI) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from titan.server.tool_stream import ToolCallStream
 from titan.server.tools import MAX_PARALLEL_TOOL_CALLS, constraint_for, parse_tool_calls, render_conversation
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -44,3 +45,58 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt() -> None:
     assert rendered[2]["content"] == '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
     assert rendered[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
     assert render_conversation(history, [TOOL], native=True) is history
+
+
+# ---- streamed tool calls: any chunking gives the calls the whole-text parser finds -------------------
+STREAM_CASES = [
+    ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris \\"x\\"", '
+     '"n": [1, {"a": "}"}]}}</tool_call>\n<tool_call>{"name":"g","arguments":{}}</tool_call>', "auto", "hermes"),
+    ('[{"name":"f","arguments":{"x":1}},{"name":"g","arguments":{"y":"]}"}}]', "required", "hermes"),
+    ('{"name":"f","arguments":{"x":[1,2]}}', {"type": "function", "function": {"name": "f"}}, "hermes"),
+    ('<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"q": 2}}', "auto",
+     "llama3_json"),
+    ('{"arguments": {"late": true}, "name": "f"}', "required", "hermes"),  # name after arguments: sent once known
+]
+
+
+def replay(text: str, choice, parser: str, size: int) -> tuple[str, list[dict], bool, int]:
+    """Feed `text` in chunks of `size`; (content, calls as OpenAI dicts, called, argument fragments)."""
+    stream = ToolCallStream(choice, parser)
+    content, calls, fragments = "", {}, 0
+    pieces = [stream.feed(text[start:start + size]) for start in range(0, len(text), size)] + [stream.close()]
+    for piece, deltas in pieces:
+        content += piece
+        for delta in deltas:
+            if delta["index"] not in calls:
+                assert delta["id"].startswith("call_") and delta["type"] == "function" and delta["function"]["name"]
+                calls[delta["index"]] = {"name": delta["function"]["name"], "arguments": ""}
+            else:
+                assert "id" not in delta and "name" not in delta["function"]
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+            fragments += bool(delta["function"]["arguments"])
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[index] for index in sorted(calls)], stream.called, fragments
+
+
+def test_streamed_calls_match_the_whole_text_parser_at_every_chunk_size() -> None:
+    for text, choice, parser in STREAM_CASES:
+        whole_content, whole = parse_tool_calls(text, choice, parser)
+        expected = [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in whole]
+        for size in (1, 2, 3, 7, len(text)):
+            content, calls, called, fragments = replay(text, choice, parser, size)
+            assert [(call["name"], json.loads(call["arguments"])) for call in calls] == expected, (text, size)
+            assert called and content.strip() == (whole_content or "")
+            if size == 1 and "late" not in text:
+                assert fragments > len(calls)  # arguments stream as they are written, not whole
+
+
+def test_streamed_content_holds_back_only_a_possible_tag() -> None:
+    stream = ToolCallStream("auto", "hermes")
+    assert stream.feed("Hello <tool") == ("Hello ", [])  # "<tool" may still become "<tool_call>"
+    assert stream.feed("box> and <b>") == ("<toolbox> and <b>", [])
+    assert stream.close() == ("", []) and not stream.called
+    plain = ToolCallStream("auto", "llama3_json")
+    assert plain.feed("  Sure {not a call}") == ("  Sure {not a call}", [])
+    cut = ToolCallStream("required", "hermes")  # max_tokens cut the call short: announced, never complete
+    _, deltas = cut.feed('[{"name": "f", "arguments": {"x": ')
+    assert deltas[0]["function"]["name"] == "f" and not cut.called

@@ -292,8 +292,8 @@ class EngineConfig:
         None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4} or '
               '{"method": "draft_model", "model": "PATH"}; "adaptive": false pins the draft length',
         parse=SpeculativeConfig.parse)
-    threads: int | None = option(None, "compute threads for this process (default: the physical cores it may use); "
-                                       "split the cores between replicas on one host")
+    threads: int | None = option(None, "compute threads for this process (default: OMP_NUM_THREADS if set, else "
+                                       "the physical cores it may use); split the cores between replicas on one host")
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

@@ -8,6 +8,7 @@ engine thread). The HTTP side reads these copies only; it never touches engine s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,11 +52,11 @@ def ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 3)
 
 
-def gauge_sample(snapshot: Snapshot) -> MetricsSample:
+def gauge_sample(snapshot: Snapshot, n: Callable[[str], str]) -> MetricsSample:
     values: dict[str, float] = {}
     for key, name in (("waiting", "num_requests_waiting"), ("running", "num_requests_running"),
                       ("kv_usage", "kv_cache_usage_perc")):
-        value = snapshot.total(P + name)
+        value = snapshot.total(n(name))
         if value is not None:
             values[key] = value
     return MetricsSample(snapshot.t, values)
@@ -69,6 +70,11 @@ class ServerDashboard:
         self.spikes = SpikeTracker(settings.history, settings.max_spikes)
         self.last_spike_check: float | None = None
 
+    def n(self, metric: str) -> str:
+        """A metric's exposed name under the server's `--metrics-prefix`."""
+        metrics = self.engine.metrics
+        return metrics.name(metric) if metrics is not None else P + metric
+
     def read(self) -> Snapshot:
         metrics = self.engine.metrics
         if metrics is None:  # still loading: an empty reading
@@ -78,18 +84,18 @@ class ServerDashboard:
     async def data(self) -> dict[str, Any]:
         now = self.history.take()
         history, window = self.history, self.settings.window
-        ttft50, ttft99 = history.window_quantiles(P + "time_to_first_token_seconds", window, (0.5, 0.99))
-        itl50, itl99 = history.window_quantiles(P + "inter_token_latency_seconds", window, (0.5, 0.99))
-        kv = now.total(P + "kv_cache_usage_perc")
-        gc = history.rate(P + "gc_pause_seconds_sum", RATE_SPAN)
+        ttft50, ttft99 = history.window_quantiles(self.n("time_to_first_token_seconds"), window, (0.5, 0.99))
+        itl50, itl99 = history.window_quantiles(self.n("inter_token_latency_seconds"), window, (0.5, 0.99))
+        kv = now.total(self.n("kv_cache_usage_perc"))
+        gc = history.rate(self.n("gc_pause_seconds_sum"), RATE_SPAN)
         values = {
             "TTFT P50": ms(ttft50), "TTFT P99": ms(ttft99), "ITL P50": ms(itl50), "ITL P99": ms(itl99),
-            "waiting": now.total(P + "num_requests_waiting"), "running": now.total(P + "num_requests_running"),
+            "waiting": now.total(self.n("num_requests_waiting")), "running": now.total(self.n("num_requests_running")),
             "KV usage": None if kv is None else round(kv * 100, 2),
-            "generated tok/s": history.rate(P + "generation_tokens_total", RATE_SPAN),
-            "prompt tok/s": history.rate(P + "prompt_tokens_total", RATE_SPAN),
-            "preemptions/s": history.rate(P + "num_preemptions_total", RATE_SPAN),
-            "429s/s": history.rate(P + "admission_rejections_total", RATE_SPAN),
+            "generated tok/s": history.rate(self.n("generation_tokens_total"), RATE_SPAN),
+            "prompt tok/s": history.rate(self.n("prompt_tokens_total"), RATE_SPAN),
+            "preemptions/s": history.rate(self.n("num_preemptions_total"), RATE_SPAN),
+            "429s/s": history.rate(self.n("admission_rejections_total"), RATE_SPAN),
             "GC ms/s": None if gc is None else gc * 1000,
         }
         await self.check_spikes(now)
@@ -110,7 +116,7 @@ class ServerDashboard:
         self.last_spike_check = now.t
         opened = []
         for metric, name in (("ttft", "time_to_first_token_seconds"), ("itl", "inter_token_latency_seconds")):
-            (p99,) = self.history.window_quantiles(P + name, now.t - start, (0.99,))
+            (p99,) = self.history.window_quantiles(self.n(name), now.t - start, (0.99,))
             spike = self.spikes.observe(metric, start, now.t, p99)
             if spike is not None:
                 opened.append(spike)
@@ -121,6 +127,6 @@ class ServerDashboard:
                   "num_preemptions": r.num_preemptions, "gc_pause": r.gc_pause} for r in records]
         ready = self.engine.ready_time
         ready_t = None if ready is None else ready - monotonic_offset()
-        scrapes = [gauge_sample(snapshot) for snapshot in self.history.snapshots]
+        scrapes = [gauge_sample(snapshot, self.n) for snapshot in self.history.snapshots]
         for spike in opened:
             attribute_live(spike, scrapes, steps, ready_t)

@@ -127,6 +127,8 @@ class OutputProcessor:
             metrics=_stamps(seq),
             degradations=seq.degradations,
         )
+        if new_token_ids and seq.num_output_tokens == len(new_token_ids):
+            output.prompt_logprobs = seq.prompt_logprobs  # with the first token: a stream can send them at once
         if output.finished:
             detokenizer = self.detokenizers.pop(seq.seq_id)
             if detokenizer.stop_string is None:

@@ -41,7 +41,8 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class StructuredOutputs:
     """One constraint: `kind` is one of STRUCTURED_KINDS; `spec` its canonical text (a JSON schema as
-    sorted JSON, a regex, choices as a JSON list, a grammar). `param` names the request field it came from."""
+    JSON in its own key order, a regex, choices as a JSON list, a grammar). `param` names the request
+    field it came from."""
 
     kind: str
     spec: str
@@ -54,7 +55,9 @@ class StructuredOutputs:
     @classmethod
     def of(cls, kind: str, value: Any, param: str) -> StructuredOutputs:
         if kind == "json":
-            spec = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            # Key order kept: properties come out in the schema's order (OpenAI's behaviour; a tool call's
+            # name then precedes its arguments, so a stream can announce the call early).
+            spec = value if isinstance(value, str) else json.dumps(value)
         elif kind == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
                 raise GrammarError("choice must be a non-empty list of strings", param)

@@ -1,4 +1,6 @@
-"""Compute threads: `--threads N` (llama.cpp's -t), by default the physical cores this process may use."""
+"""Compute threads: `--threads N` (llama.cpp's -t); by default `OMP_NUM_THREADS` when it is set (what
+replicas sharing a host, their launchers and the Kubernetes manifests use to split the cores), else the
+physical cores this process may use."""
 
 from __future__ import annotations
 
@@ -26,10 +28,18 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def environment_threads() -> int | None:
+    """OMP_NUM_THREADS as a thread count (its first entry when it lists several levels), or None."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def configure_threads(threads: int | None) -> int:
     """Set torch's intra-op pool (which the quantized kernels share) and return the count in use."""
-    count = threads or physical_cores()
+    from_environment = environment_threads()
+    count = threads or from_environment or physical_cores()
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
-    logger.info("compute threads: %d%s", count, "" if threads else " (physical cores)")
+    source = "" if threads else " (OMP_NUM_THREADS)" if from_environment else " (physical cores)"
+    logger.info("compute threads: %d%s", count, source)
     return count

@@ -28,6 +28,18 @@ from titan.dashboard.routes import install_dashboard
 from titan.dashboard.server_view import DashboardSettings, ServerDashboard
 from titan.engine.step_observer import StepRecord
 from titan.kernels import build as kernels
+from titan.server.api_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    HealthFailure,
+    ModelList,
+    Readiness,
+    StepList,
+    TokenizeResponse,
+    VersionInfo,
+    answers,
+)
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
 from titan.server.completions import create_completion
@@ -35,7 +47,7 @@ from titan.server.errors import bad_request, install_error_handlers, validation_
 from titan.server.gateway import Gateway
 from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.server.middleware import APIKeyCheck, BodySizeLimit
-from titan.server.openapi import ERROR_RESPONSES, install_openapi, json_body
+from titan.server.openapi import DEBUG_ERRORS, ERROR_RESPONSES, install_openapi, json_body
 from titan.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -109,32 +121,36 @@ def build_app(
     app.state.gateway = gateway
     install_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "alive (no body, as vLLM's)"},
+                        503: {"model": HealthFailure, "description": "the engine thread died"}})
     async def health() -> Response:
         if engine.error is not None:
             return JSONResponse({"status": "failed", "error": str(engine.error)},
                                 status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=HTTPStatus.OK)
 
-    @app.get("/ready")
+    @app.get("/ready", responses={**answers(Readiness, "ready"),
+                                  503: {"model": Readiness, "description": "starting, draining or failed"}})
     async def ready() -> Response:
         status = readiness(state)
         code = HTTPStatus.OK if status == "ready" else HTTPStatus.SERVICE_UNAVAILABLE
         return JSONResponse({"status": status}, status_code=code)
 
-    @app.get("/version")
+    @app.get("/version", responses=answers(VersionInfo))
     async def version() -> dict[str, str]:
         # quantized_kernels: native-avx512 | native-avx2 | native-generic | torch (fallback) | unused
         return {"version": titan_version(), "quantized_kernels": kernels.status()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={401: ERROR_RESPONSES[401], 200: {
+        "description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})
     async def metrics() -> Response:
         body = engine.metrics.render() if engine.metrics is not None else b""
         if gateway is not None:
             body += gateway.metrics.render()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/debug/steps")
+    @app.get("/debug/steps", responses={**answers(StepList), **DEBUG_ERRORS})
     async def debug_steps(limit: int = 512) -> dict[str, object]:
         """The most recent engine steps (time, duration, tokens, sequences, prefill tokens, preemptions,
         GC pause), oldest first, for attributing latency spikes."""
@@ -145,7 +161,7 @@ def build_app(
         return {"object": "list", "data": [step_json(record, offset) for record in records],
                 "ready_time": engine.ready_time}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={**answers(ModelList), **ERROR_RESPONSES})
     async def models() -> dict[str, object]:
         loaded = state.serving_info() if not state.draining else engine.info
         assert loaded is not None
@@ -153,7 +169,8 @@ def build_app(
                 "root": loaded.model_name, "max_model_len": loaded.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=ERROR_RESPONSES)
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest),
+              responses={**answers(TokenizeResponse), **ERROR_RESPONSES})
     async def tokenize_route(request: Request) -> dict[str, object]:
         body = await parse_body(request, TokenizeRequest)
         info = state.serving_info()
@@ -172,7 +189,8 @@ def build_app(
         strings = [info.tokenizer.id_to_token(t) or "" for t in tokens] if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens, "token_strs": strings}
 
-    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=ERROR_RESPONSES)
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest),
+              responses={**answers(DetokenizeResponse), **ERROR_RESPONSES})
     async def detokenize_route(request: Request) -> dict[str, object]:
         body = await parse_body(request, DetokenizeRequest)
         info = state.serving_info()
@@ -189,11 +207,13 @@ def build_app(
         finally:
             state.handling -= 1
 
-    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
+              responses={**answers(CompletionResponse, streams=True), **ERROR_RESPONSES})
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest, create_completion)
 
-    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+              responses={**answers(ChatCompletionResponse, streams=True), **ERROR_RESPONSES})
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, create_chat_completion)
 

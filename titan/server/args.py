@@ -10,6 +10,7 @@ from titan.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    METRICS_PREFIXES,
     TOOL_CALL_PARSERS,
 )
 
@@ -27,6 +28,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read the API key from this file (first line)")
     group.add_argument("--metrics-require-key", action="store_true",
                        help="require the API key on /metrics too (Prometheus then needs it as a bearer token)")
+    group.add_argument("--metrics-prefix", default="titan", choices=METRICS_PREFIXES,
+                       help="vllm: expose the metrics vLLM also has under vLLM's names and labels (vllm:..., "
+                            "model_name and engine), so dashboards and gateways written for vLLM work unchanged; "
+                            "Titan-only metrics keep titan:")
     group.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_SECONDS,
                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

@@ -42,6 +42,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # when the HTTP request came in
+    prompt_index: int = 0  # which prompt of its HTTP request: the n choices of one prompt form one group
 
 
 class RequestRejected(Exception):
@@ -73,11 +74,22 @@ _STOP = object()
 
 
 @dataclass
+class _Group:
+    """The n choices of one prompt, for the request-level metrics recorded once all of them finished."""
+
+    n: int
+    max_tokens: int
+    unfinished: int
+    max_generation_tokens: int = 0
+
+
+@dataclass
 class _Tracked:
     """Loop-side bookkeeping of one engine request."""
 
     output_queue: asyncio.Queue[RequestOutput | BaseException]
     accepted: asyncio.Future[dict[str, dict[str, int]]]  # resolves to the degradations admission applied
+    group: _Group
     last_token_time: float | None = None
     finished: bool = False
 
@@ -168,8 +180,14 @@ class AsyncEngine:
         output_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         stream = OutputStream(self, [r.request_id for r in requests], output_queue)
         accepted = []
+        groups: dict[int, _Group] = {}
         for request in requests:
-            tracked = _Tracked(output_queue, loop.create_future())
+            group = groups.get(request.prompt_index)
+            if group is None:
+                size = sum(1 for other in requests if other.prompt_index == request.prompt_index)
+                max_tokens = request.sampling_params.max_tokens
+                group = groups[request.prompt_index] = _Group(size, max_tokens or 0, size)
+            tracked = _Tracked(output_queue, loop.create_future(), group)
             self._tracked[request.request_id] = tracked
             accepted.append(tracked.accepted)
             self._commands.put(request)
@@ -217,7 +235,17 @@ class AsyncEngine:
             if output.finished:
                 tracked.finished = True
                 del self._tracked[output.request_id]
+                if metrics is not None:
+                    self._finish_in_group(metrics, tracked.group, output)
             tracked.output_queue.put_nowait(output)
+
+    @staticmethod
+    def _finish_in_group(metrics: ServerMetrics, group: _Group, output: RequestOutput) -> None:
+        group.unfinished -= 1
+        group.max_generation_tokens = max(group.max_generation_tokens, output.num_output_tokens)
+        if group.unfinished == 0:
+            metrics.record_request(group.n, group.max_tokens or output.num_output_tokens,
+                                   group.max_generation_tokens)
 
     def _settle(self, accepted: list[tuple[str, dict[str, dict[str, int]]]],
                 rejected: list[tuple[str, BaseException]]) -> None:
@@ -360,7 +388,21 @@ def _resolve(future: asyncio.Future[tuple[StepRecord, ...]], value: tuple[StepRe
         future.set_result(value)
 
 
+def metrics_factory(prefix: str = "titan") -> Callable[[LLMEngine], ServerMetrics]:
+    """Builds the server's metrics once the engine is loaded (`--metrics-prefix`)."""
+
+    def build(engine: LLMEngine) -> ServerMetrics:
+        cache = engine.config.cache
+        cache_info = {"block_size": str(cache.block_size), "num_gpu_blocks": str(engine.num_blocks),
+                      "enable_prefix_caching": str(cache.enable_prefix_caching), "cache_dtype": str(engine.dtype),
+                      "device": str(engine.device)}
+        metrics = ServerMetrics(engine.model_name, engine.max_model_len,
+                                engine.config.scheduler.max_num_batched_tokens, prefix, cache_info)
+        engine.gc_monitor.listeners.append(metrics.record_gc_pause)
+        return metrics
+
+    return build
+
+
 def default_metrics(engine: LLMEngine) -> ServerMetrics:
-    metrics = ServerMetrics(engine.model_name, engine.max_model_len, engine.config.scheduler.max_num_batched_tokens)
-    engine.gc_monitor.listeners.append(metrics.record_gc_pause)
-    return metrics
+    return metrics_factory()(engine)

@@ -15,7 +15,15 @@ from titan.engine.scheduler_output import TokenLogprobs
 from titan.server.errors import bad_request
 from titan.server.generation import GenerationRoute, Prepared, handle_generation
 from titan.server.protocol import ChatCompletionRequest, check_context
-from titan.server.serving import INLINE_TOKENIZE_CHARS, Choice, ServerState, TokenTexts, prompt_logprobs_field
+from titan.server.serving import (
+    INLINE_TOKENIZE_CHARS,
+    Choice,
+    ServerState,
+    TokenTexts,
+    choice_index,
+    prompt_logprobs_field,
+)
+from titan.server.tool_stream import ToolCallStream
 from titan.server.tools import constraint_for, parse_tool_calls, render_conversation, template_knows_tools
 
 
@@ -34,6 +42,8 @@ class ChatRoute(GenerationRoute):
         self.tool_call_parser = tool_call_parser
         self.tools = body.tool_dicts()  # None: no tool calling in this request
         self.tool_choice = body.effective_tool_choice
+        self.tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice, when tools are on
+        self.started: set[int] = set()  # streamed choices whose first token went by
 
     def num_sequences(self) -> int:
         return self.body.n
@@ -87,24 +97,33 @@ class ChatRoute(GenerationRoute):
                  "finish_reason": None} for choice in prepared.choices]
 
     def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
-        if self.tools is not None:
-            return None  # a tool call is only known whole: it goes out with the finishing chunk
         entries = output.new_logprobs if self.texts is not None else None
-        if not output.new_text and not entries:
+        delta: dict[str, Any] = {"content": output.new_text}
+        if self.tools is not None:
+            # Tool calls go out as the model writes them: the name once complete, then argument fragments.
+            stream = self.tool_streams.setdefault(choice.index, ToolCallStream(self.tool_choice, self.tool_call_parser))
+            content, calls = stream.feed(output.new_text)
+            delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        extras: dict[str, Any] = {}
+        if choice.index not in self.started:  # vLLM's prompt_logprobs ride on a choice's first chunk
+            self.started.add(choice.index)
+            extras = prompt_logprobs_field(self.token_texts, self.body.prompt_logprobs, output)
+        if not delta.get("content") and "tool_calls" not in delta and not entries and not extras:
             return None
         logprobs = None
         if self.texts is not None and entries:
             logprobs = {"content": chat_logprobs(self.texts, entries), "refusal": None}
-        return {"index": choice.index, "delta": {"content": output.new_text}, "logprobs": logprobs,
-                "finish_reason": None}
+        return {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": None} | extras
 
     def finish(self, output: RequestOutput) -> dict[str, Any]:
         if self.tools is None:
             return {"delta": {}, "logprobs": None, "finish_reason": output.finish_reason}
-        message, reason = self._message(output)
-        delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
+        stream = self.tool_streams.pop(choice_index(output.request_id), None)
+        if stream is None:  # finished before any delta
+            stream = ToolCallStream(self.tool_choice, self.tool_call_parser)
+        content, calls = stream.close()
+        delta = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        reason = "tool_calls" if stream.called else output.finish_reason
         return {"delta": delta, "logprobs": None, "finish_reason": reason}
 
     def whole(self, choice: Choice, output: RequestOutput) -> dict[str, Any]:

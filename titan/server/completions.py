@@ -29,6 +29,7 @@ class CompletionRoute(GenerationRoute):
         super().__init__(body)
         self.echoes: list[str] = []
         self.text_offsets: dict[int, int] = {}  # choice index → characters streamed so far (logprobs)
+        self.started: set[int] = set()  # choices whose first delta went out
 
     def num_sequences(self) -> int:
         return len(self.body.prompts()) * self.body.n
@@ -64,18 +65,34 @@ class CompletionRoute(GenerationRoute):
         for choice in prepared.choices:
             echo = self.echoes[choice.prompt_index]
             self.text_offsets[choice.index] = len(echo)
-            if self.body.echo:
+            if self.body.echo and not self.wants_logprobs():
                 entries.append({"index": choice.index, "text": echo, "logprobs": None, "finish_reason": None})
         return entries
 
     def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
+        first = choice.index not in self.started
+        self.started.add(choice.index)
         entries = output.new_logprobs if self.texts is not None else None
-        if not output.new_text and not entries:
-            return None
+        new_text = output.new_text
+        if self.body.scores_prompt_only:  # the one token run to score the prompt is never shown
+            entries, new_text = [], ""
         offset = self.text_offsets[choice.index]
-        self.text_offsets[choice.index] = offset + len(output.new_text)
+        self.text_offsets[choice.index] = offset + len(new_text)
         logprobs = legacy_logprobs(self.texts, entries, offset) if self.texts is not None and entries else None
-        return {"index": choice.index, "text": output.new_text, "logprobs": logprobs, "finish_reason": None}
+        extras: dict[str, Any] = {}
+        if first:
+            # The prompt's logprobs come with the first token: echo + logprobs sends the prompt's text here,
+            # with them, rather than before any token; vLLM's prompt_logprobs field rides on this chunk.
+            if self.body.echo and self.texts is not None:
+                logprobs = with_prompt(self.texts, logprobs or legacy_logprobs(self.texts, [], offset),
+                                       choice.prompt_token_ids, output.prompt_logprobs or [])
+                new_text = self.echoes[choice.prompt_index] + new_text
+            extras = prompt_logprobs_field(self.token_texts, self.body.prompt_logprobs, output)
+        if not new_text and not logprobs and not extras:
+            if first:
+                self.started.discard(choice.index)  # nothing to say yet: the next output is still the first
+            return None
+        return {"index": choice.index, "text": new_text, "logprobs": logprobs, "finish_reason": None} | extras
 
     def finish(self, output: RequestOutput) -> dict[str, Any]:
         return {"text": "", "logprobs": None, "finish_reason": output.finish_reason}

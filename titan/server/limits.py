@@ -10,3 +10,5 @@ DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 # Tool-call formats `tool_choice: auto` can parse (titan/server/tools.py).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# `--metrics-prefix`: Titan's own names, or vLLM's for the metrics both have (titan/server/metrics.py).
+METRICS_PREFIXES = ("titan", "vllm")

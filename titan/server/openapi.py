@@ -32,6 +32,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
              "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
     for status, description in _ERRORS.items()}
 
+# /debug/* answers only these errors of its own (a bad query parameter is a 400 like any other).
+DEBUG_ERRORS = {status: ERROR_RESPONSES[status] for status in (400, 401)}
+
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` for a route whose JSON body is `model`."""

@@ -89,7 +89,7 @@ class SamplingRequest(BaseModel):
     titan_cache: bool | None = None
     titan_semantic_cache: bool = False
     logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None  # vLLM's: each choice gets the prompt tokens' logprobs (not streamed)
+    prompt_logprobs: int | None = None  # vLLM's: each choice gets the prompt tokens' logprobs (streamed: first chunk)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -152,9 +152,6 @@ class SamplingRequest(BaseModel):
             raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if self.prompt_logprobs is not None and self.stream:
-            raise bad_request("prompt_logprobs is not supported with stream", param="prompt_logprobs",
-                              code="unsupported_parameter")
 
     @property
     def include_usage(self) -> bool:
@@ -215,9 +212,6 @@ class CompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo and self.logprobs is not None and self.stream:
-            raise bad_request("echo together with logprobs is not supported when streaming", param="echo",
-                              code="unsupported_parameter")
         if self.max_tokens == 0 and not self.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)",
                               param="max_tokens")

@@ -30,7 +30,7 @@ from titan.dashboard.server_view import DashboardSettings
 from titan.engine.llm_engine import LLMEngine
 from titan.loader import ModelNotFoundError, resolve_model_path
 from titan.server.app import build_app
-from titan.server.async_engine import AsyncEngine
+from titan.server.async_engine import AsyncEngine, metrics_factory
 from titan.server.gateway_setup import GatewaySetupError, build_gateway
 from titan.server.http_protocol import JSONErrorH11Protocol
 from titan.server.serving import ServerState
@@ -171,7 +171,8 @@ def run_server(args: argparse.Namespace) -> int:
     except GatewaySetupError as error:
         say(str(error))
         return 2
-    engine = AsyncEngine(lambda: LLMEngine(config), warmup=args.warmup)
+    engine = AsyncEngine(lambda: LLMEngine(config), warmup=args.warmup,
+                         metrics_factory=metrics_factory(args.metrics_prefix))
     app = build_app(engine, args.served_model_name, api_key, args.max_request_body_bytes,
                     args.max_sequences_per_request, args.metrics_require_key, args.tool_call_parser,
                     args.enable_log_requests, gateway, tenants, dashboard_settings(args))

@@ -146,7 +146,7 @@ async def submit(state: ServerState, request_id: str, choices: list[Choice], pri
                  arrival_time: float) -> OutputStream:
     """Hand the choices to the engine; `arrival_time` (time.monotonic()) is when the HTTP request came in."""
     requests = [EngineRequest(f"{request_id}-{choice.index}", choice.prompt_token_ids, choice.params, priority,
-                              arrival_time) for choice in choices]
+                              arrival_time, choice.prompt_index) for choice in choices]
     try:
         return await state.engine.submit(requests)
     except RequestRejected as error:
