@@ -107,7 +107,11 @@ def policy_run(servers: list[ServerProcess], policy: str, schedule: list[tuple[f
             "ttft_p50_ms": float(np.percentile(ttfts, 50)) if len(ttfts) else None,
             "ttft_p99_ms": float(np.percentile(ttfts, 99)) if len(ttfts) else None,
             "ttft_max_ms": float(ttfts.max()) if len(ttfts) else None,
-            "requests_per_backend": sorted(per_backend.values(), reverse=True)}
+            "requests_per_backend": sorted(per_backend.values(), reverse=True),
+            # Per request, in send order: when it went out, its prefix, where it went, its TTFT (ms).
+            "requests_detail": [{"offset_s": round(offset, 3), "prefix": prefix, "backend": outcome.get("backend"),
+                                 "ttft_ms": None if outcome.get("ttft") is None else round(outcome["ttft"] * 1000, 1)}
+                                for (offset, prefix), outcome in zip(schedule, outcomes, strict=True)]}
 
 
 def start_servers(count: int) -> list[ServerProcess]:
