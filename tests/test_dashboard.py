@@ -128,6 +128,59 @@ def test_server_dashboard_in_chromium() -> None:
             assert problems == []
 
 
+def long_prompt(round_number: int) -> str:
+    """~1,000 tokens, distinct per round (a repeat would hit the prefix cache and stall nothing)."""
+    return f"Round {round_number}. Summarize these notes about the hardware store. " + " ".join(
+        f"Aisle {number} holds paint, rope, hinges, bolts and garden hoses." for number in range(60))
+
+
+def test_a_transient_is_marked_and_attributed_in_chromium() -> None:
+    """An operator watches a transient happen: steady decodes, then a long prompt whose 512-token prefill
+    chunks stall every decode; the page marks the ITL spike and names its cause."""
+    args = ["--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--kv-cache-memory", "0.25",
+            "--dashboard-window", "3600"]
+    with ServerProcess(args, env={"OMP_NUM_THREADS": "1"}) as server, \
+            dashboard_page(server.url + "/dashboard?interval=200") as (page, problems):
+        stop = threading.Event()
+
+        def decode_forever(number: int) -> None:  # keeps ITL observations in every interval
+            while not stop.is_set():
+                httpx.post(server.url + "/v1/completions", timeout=300, json={
+                    "prompt": f"Stream {number}: count upwards from one.", "max_tokens": 48, "ignore_eos": True})
+
+        streams = [threading.Thread(target=decode_forever, args=(number,), daemon=True) for number in range(2)]
+        for stream in streams:
+            stream.start()
+
+        def attributed() -> list[dict]:
+            return page.evaluate("window.titanDashboard.spikes.filter((s) => s.metric === 'itl' && s.causes.length)")
+
+        try:
+            # Bounded by count: each round lets the baseline build (the detector needs five 2-second intervals
+            # of ordinary decoding), then sends one long prompt and waits for the page to judge its intervals.
+            for round_number in range(6):
+                wait_polls(page, polls(page) + 60)
+                reply = httpx.post(server.url + "/v1/completions", timeout=300,
+                                   json={"prompt": long_prompt(round_number), "max_tokens": 1})
+                assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 800
+                wait_polls(page, polls(page) + 15)
+                if attributed():
+                    break
+            spikes = attributed()
+            assert spikes, "no attributed ITL spike after six long prompts"
+            causes = [cause for spike in spikes for cause in spike["causes"]]
+            assert any("prefill" in cause for cause in causes), causes
+            assert page.locator("#spikes tbody tr.spike").count() >= 1  # listed on the page, cause included
+            assert "prefill" in page.locator("#spikes tbody").inner_text()
+            path = screenshot(page, "dashboard-spike.png")
+            assert path.stat().st_size > 10_000
+            assert problems == []
+        finally:
+            stop.set()
+            for stream in streams:
+                stream.join()
+
+
 def test_router_dashboard_per_backend_in_chromium(tmp_path: Path) -> None:
     key_file = tmp_path / "debug-key"
     key_file.write_text("router-key\n")
