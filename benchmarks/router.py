@@ -9,6 +9,8 @@
    prefix-affinity router over two replicas; after `--kill-after` s one replica gets SIGKILL; the load
    runs `--kill-duration` s in all. Counts requests that succeeded and, of those that failed, how many were
    streams already under way (the only kind allowed to fail), plus the router's retries.
+3. TTFT tails per policy on a multi-prefix workload (`benchmarks/router_tails.py`, on fresh replicas):
+   P50/P99 per policy and the default policy's P99 against round-robin's.
 
 Replicas: the default model, small step shapes, one torch thread each (`OMP_NUM_THREADS=1`: replicas share
 this machine's cores).
@@ -30,30 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import router_tails
 from common import write_result
+from router_fleet import ROUTER_ARGS, SERVER_ARGS, SERVER_ENV, start_servers, stop_servers
 
 from harness.router import RouterProcess
 from harness.server import ServerProcess
 from titan.bench.metrics_scraper import parse_prometheus_text
 
-SERVER_ARGS = ["--model", "default", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-               "--kv-cache-memory", "0.2", "--drain-timeout", "10"]
-SERVER_ENV = {"OMP_NUM_THREADS": "1"}
-ROUTER_ARGS = ["--health-interval", "0.25"]
-POLICIES = ("round-robin", "least-load", "prefix-affinity")
+POLICIES = ("round-robin", "least-load", "prefix-affinity", "score")
 PREFIX_BODY = ("You answer questions about the Lighthouse Hardware store. The store opens at eight and closes at "
                "six, sells tools, paint, garden supplies and fasteners, and offers key cutting, paint mixing and "
                "tool rental. Be brief, be friendly, and say when you do not know. ") * 2
-
-
-def start_servers(count: int) -> list[ServerProcess]:
-    servers = [ServerProcess(SERVER_ARGS, env=SERVER_ENV) for _ in range(count)]
-    threads = [threading.Thread(target=server.start) for server in servers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return servers
 
 
 def metric_sum(url: str, name: str) -> float:
@@ -169,6 +159,8 @@ def main() -> None:
     parser.add_argument("--kill-after", type=float, default=3.0)
     parser.add_argument("--kill-duration", type=float, default=8.0)
     parser.add_argument("--kill-max-tokens", type=int, default=16)
+    tails = parser.add_argument_group("3. TTFT tails per policy (benchmarks/router_tails.py)")
+    router_tails.add_arguments(tails, servers=False)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/router.json"))
     args = parser.parse_args()
     os.environ.setdefault("TITAN_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".titan-cache"))
@@ -186,11 +178,12 @@ def main() -> None:
         print(f"kill under load: {kill['succeeded']} of {kill['requests']} succeeded; failed: "
               f"{kill['failed_streams_already_begun']} streams already under way, {kill['failed_before_streaming']} "
               f"others; {kill['router_retries']:.0f} retried by the router", flush=True)
+        # Fresh replicas: the kill took one down, and the tails must not start from warm caches.
+        stop_servers(servers)
+        servers = []
+        tails = router_tails.run(args)
     finally:
-        for server in servers:
-            server.stop()
-            if server.log_path is not None:
-                server.log_path.unlink(missing_ok=True)
+        stop_servers(servers)
     result = {
         "workload": {"servers": args.servers, "groups": args.groups, "per_group": args.per_group,
                      "concurrency": args.concurrency, "prompt_chars": len(shared_prefix_prompts("x", 1, 1)[0]),
@@ -199,6 +192,7 @@ def main() -> None:
         "prefix_cache_hit_rate": {policy: run["hit_rate"] for policy, run in hit_rates.items()},
         "hit_rate_runs": hit_rates,
         "kill_under_load": kill,
+        "ttft_tails": tails,
     }
     write_result(args.output, result)
 

@@ -7,6 +7,8 @@ out. TTFT is the client's: send to the first content event. Each policy gets fre
 carried over) and the same arrival times and prefix picks.
 
     .venv/bin/python benchmarks/router_tails.py [--servers 3] [--policies score round-robin]
+
+`benchmarks/router.py` runs it too, as its third part.
 """
 
 from __future__ import annotations
@@ -24,14 +26,11 @@ from typing import Any
 import httpx
 import numpy as np
 from common import write_result
+from router_fleet import ROUTER_ARGS, SERVER_ARGS, SERVER_ENV, start_servers, stop_servers
 
 from harness.router import RouterProcess
 from harness.server import ServerProcess
 
-SERVER_ARGS = ["--model", "default", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-               "--kv-cache-memory", "0.2", "--drain-timeout", "10"]
-SERVER_ENV = {"OMP_NUM_THREADS": "1"}
-ROUTER_ARGS = ["--health-interval", "0.25"]
 WORDS = ("store tool paint garden supply fastener key cutting mixing rental aisle shelf price order customer "
          "delivery hammer drill screw bolt nut washer hinge lock chain rope ladder bucket brush roller tape "
          "glue saw blade wrench pliers clamp level ruler pencil glove mask boot hose sprinkler seed soil "
@@ -114,19 +113,11 @@ def policy_run(servers: list[ServerProcess], policy: str, schedule: list[tuple[f
                                 for (offset, prefix), outcome in zip(schedule, outcomes, strict=True)]}
 
 
-def start_servers(count: int) -> list[ServerProcess]:
-    servers = [ServerProcess(SERVER_ARGS, env=SERVER_ENV) for _ in range(count)]
-    threads = [threading.Thread(target=server.start) for server in servers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return servers
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, servers: list[ServerProcess] | None = None) -> dict[str, Any]:
+    """Every policy over the same schedule; on `servers` if given (left running), else on fresh ones."""
     schedule = plan(args.requests, args.prefixes, args.rate, args.seed)
-    servers = start_servers(args.servers)
+    own = servers is None
+    servers = start_servers(args.servers) if servers is None else servers
     runs = {}
     try:
         for policy in args.policies:
@@ -136,10 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"(max {result['ttft_max_ms']:.0f}), {result['succeeded']}/{result['requests']} ok, "
                   f"per backend {result['requests_per_backend']}", flush=True)
     finally:
-        for server in servers:
-            server.stop()
-            if server.log_path is not None:
-                server.log_path.unlink(missing_ok=True)
+        if own:
+            stop_servers(servers)
     baseline = runs.get("round-robin", {}).get("ttft_p99_ms")
     ratios = {policy: baseline / run["ttft_p99_ms"] for policy, run in runs.items()
               if baseline and run.get("ttft_p99_ms")}
@@ -151,8 +140,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "p99_speedup_vs_round_robin": ratios}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--servers", type=int, default=3)
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, servers: bool = True) -> None:
+    if servers:  # benchmarks/router.py has its own
+        parser.add_argument("--servers", type=int, default=3)
     parser.add_argument("--prefixes", type=int, default=6)
     parser.add_argument("--prefix-words", type=int, default=400)
     parser.add_argument("--requests", type=int, default=36)
