@@ -79,6 +79,28 @@ def test_a_hot_replica_sheds_its_prefix_to_an_idle_one() -> None:
     assert other is not home
 
 
+def test_late_first_tokens_stretch_a_backends_predictions() -> None:
+    # One replica's streams answer 4x later than its step costs predict (a busy host): its predictions
+    # follow, so a cold prompt goes to the replica that will really start it sooner, and a queue of
+    # prefill there lasts as long as it really does.
+    policy = ScorePolicy(ScoreWeights(), blocks_per_backend=1000, chunk_chars=CHUNK)
+    slow, quick = backends(2)
+    cold = info(prefix(7) + "Question?")
+    base, _ = policy.predicted_ttft(slow, cold, 0.0)
+    for _ in range(12):
+        predicted, _ = policy.predicted_ttft(slow, cold, 0.0)
+        slow.first_token(predicted, 4 * base)
+    assert slow.ttft_calibration == pytest.approx(4.0, rel=0.02)
+    assert policy.predicted_ttft(slow, cold, 0.0)[0] == pytest.approx(4 * base, rel=0.02)
+    chosen = policy.choose_for([slow, quick], cold)
+    assert chosen is quick and policy.last_prediction == pytest.approx(base)
+    for _ in range(30):  # bounded both ways, one observation moving it at most sqrt(2)
+        quick.first_token(1.0, 1e6)
+    assert quick.ttft_calibration == 20.0
+    quick.first_token(1.0, 0.0)
+    assert quick.ttft_calibration == pytest.approx(20.0 / 2**0.5)
+
+
 def test_a_backend_that_leaves_the_pool_is_forgotten() -> None:
     policy = ScorePolicy(ScoreWeights(prefix=5.0), blocks_per_backend=1000, chunk_chars=CHUNK)
     pool = BackendPool([BackendSpec("http://a", "a"), BackendSpec("http://b", "b")], policy)

@@ -22,6 +22,9 @@ def say(message: str) -> None:
     print(f"[titan] router: {message}", file=sys.stderr, flush=True)
 
 
+CALIBRATION_RANGE = (0.25, 20.0)
+
+
 @dataclass(eq=False)
 class Backend:
     url: str
@@ -38,9 +41,21 @@ class Backend:
     not_ready_reason: str = field(default="not polled yet")
     retired: bool = False  # left the pool (no longer discovered): no new requests, open ones finish
     pool: str | None = None  # model pool (degrade.py), None without pools
+    # How far the score policy's first-token predictions run behind what this backend really does
+    # (observed / predicted, a moving factor): a busy host or a cold replica is slower than its step costs say.
+    ttft_calibration: float = 1.0
 
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
+
+    def first_token(self, predicted: float, observed: float) -> None:
+        """A stream predicted to answer in `predicted` s produced its first token after `observed` s; each
+        observation moves the factor by at most √2 either way."""
+        if predicted <= 0:
+            return
+        ratio = min(max(observed / predicted, 0.5), 2.0)
+        self.ttft_calibration = min(max(self.ttft_calibration * ratio**0.5, CALIBRATION_RANGE[0]),
+                                    CALIBRATION_RANGE[1])
 
 
 class BackendPool:

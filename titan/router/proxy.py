@@ -196,7 +196,8 @@ class Proxy:
                 logger.info("retrying on %s after %s failed before its first byte: %s", backend.name,
                             failure.backend.name, failure.detail)
             tried.add(backend.name)
-            result = await self.attempt(backend, scope["method"], target.decode("latin-1"), headers, body)
+            predicted = getattr(self.pool.policy, "last_prediction", None)  # the score policy's, for this choice
+            result = await self.attempt(backend, scope["method"], target.decode("latin-1"), headers, body, predicted)
             if isinstance(result, PassThrough):
                 if decision is not None and decision.degraded_model is not None:
                     result.extra_headers.append((DEGRADED_HEADER, f"model={decision.degraded_model}".encode()))
@@ -227,7 +228,7 @@ class Proxy:
         return Failure(backend, reason, detail, answer)
 
     async def attempt(self, backend: Backend, method: str, target: str, headers: list[tuple[bytes, bytes]],
-                      body: bytes) -> PassThrough | Failure:
+                      body: bytes, predicted_ttft: float | None = None) -> PassThrough | Failure:
         started = time.perf_counter()
         backend.outstanding += 1
         self.metrics.outstanding.labels(backend.name).set(backend.outstanding)
@@ -272,7 +273,10 @@ class Proxy:
                 return self.fail(backend, "timeout", error)
             except httpx.HTTPError as error:
                 return self.fail(backend, "disconnect", error)
-            self.metrics.first_byte.labels(backend.name).observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.first_byte.labels(backend.name).observe(elapsed)
+            if predicted_ttft is not None and event_stream and has_output(first):
+                backend.first_token(predicted_ttft, elapsed)  # a whole JSON answer would include its decode
             handed_over = True
             return PassThrough(backend, response, chunks, first, finished, started, self.metrics, self.release)
         finally:

@@ -10,7 +10,8 @@ For each ready candidate the router estimates two things it can know without ask
 - its predicted time to first token: the prefill work the router has queued on it and not yet seen
   finish (a virtual queue that drains at the backend's speed and empties when nothing is open there),
   plus this prompt's own uncached part and one step's overhead, priced with the per-step and per-token
-  costs fitted to the backend's scraped step metrics (step_cost.py).
+  costs fitted to the backend's scraped step metrics (step_cost.py), scaled by how late that backend's
+  recent first tokens came against their predictions (a busy host, a cold replica: Backend.first_token).
 
 score = w_prefix·hit + w_ttft·(best predicted TTFT / this one's) + w_queue·(1 − load / highest load)
         + w_kv·(1 − KV usage),   load = outstanding + scraped waiting
@@ -95,6 +96,7 @@ class ScorePolicy:
         self.queues: dict[str, VirtualQueue] = {}
         self.next_index = 0
         self.last: dict[str, float] = {}  # the last decision's scores, for tests and logs
+        self.last_prediction: float | None = None  # the last decision's predicted TTFT (seconds)
 
     def set_backends(self, names: Sequence[str]) -> None:
         for gone in set(self.tables) - set(names):
@@ -118,7 +120,10 @@ class ScorePolicy:
         cost = backend.seconds_per_token or DEFAULT_SECONDS_PER_TOKEN
         queue = self.queues.get(backend.name)
         waiting = queue.wait(now) if queue is not None and backend.outstanding > 0 else 0.0
-        return waiting + (backend.step_overhead or 0.0) + cost * (uncached_chars / CHARS_PER_TOKEN + 1), hit
+        own = (backend.step_overhead or 0.0) + cost * (uncached_chars / CHARS_PER_TOKEN + 1)
+        # Step costs fitted on a quiet backend understate a busy host's or a cold replica's: scale this
+        # prompt's own part by how late this backend's recent first tokens came against their predictions.
+        return waiting + backend.ttft_calibration * own, hit
 
     def choose_for(self, candidates: Sequence[Backend], info: RoutingInfo) -> Backend:
         now = time.monotonic()
@@ -153,6 +158,7 @@ class ScorePolicy:
         if backend.outstanding == 0:
             queue.busy_until = now  # nothing open there: whatever was queued has run
         queue.add(now, predicted - queue.wait(now))
+        self.last_prediction = predicted  # the proxy compares it with the first token's arrival
 
 
 def score_policy(config: RouterConfig) -> ScorePolicy:
