@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisProcess, redis_available
 from titan.server.cache_store import MemoryStore
 from titan.server.guardrails import GuardrailsConfigError, OutputFilter, check_input, iban_valid, load_guardrails, luhn
 from titan.server.result_cache import cache_key, replay_chunks
@@ -171,3 +172,44 @@ def test_a_tenant_priority_class_is_a_floor() -> None:
 
     assert priority("b", 0) == 1 and priority("b", 5) == 5  # batch may go lower, never above its class
     assert priority("i", 0) == 0 and priority("i", 1) == 1
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed (.ci/run installs Debian's)")
+def test_redis_quota_is_one_bucket_for_every_replica_and_falls_back_to_local_ones() -> None:
+    from titan.server.gateway_metrics import GatewayMetrics
+    from titan.server.tenant_quota import RedisQuota
+
+    # requests_per_minute 3 refills one request every 20 s, tokens_per_minute 5 one token every 12 s: the
+    # counts below hold unless one of these waits passes mid-test (a few Redis round trips).
+    registries = [TenantRegistry(parse_tenants({"keys": [
+        {"key": "a", "tenant": "alpha", "requests_per_minute": 3, "tokens_per_minute": 5},
+        {"key": "b", "tenant": "beta", "requests_per_minute": 3}]})) for _ in range(2)]
+
+    async def run(url: str, redis: RedisProcess) -> None:
+        metrics = [GatewayMetrics(), GatewayMetrics()]
+        replicas = [RedisQuota(url, metrics[i], timeout_seconds=5) for i in range(2)]
+        alpha = [registry.authenticate("a") for registry in registries]
+        seen = []
+        for turn in range(5):  # alternate replicas, as a round-robin router does
+            admission = await replicas[turn % 2].admit(alpha[turn % 2], generation=False)
+            seen.append((admission.refusal[0] if admission.refusal else "ok", admission.views["requests"].remaining()))
+        assert seen == [("ok", 2), ("ok", 1), ("ok", 0), ("rate_limit_exceeded", 0), ("rate_limit_exceeded", 0)]
+        beta = await replicas[1].admit(registries[1].authenticate("b"), generation=False)
+        assert beta.refusal is None and beta.views["requests"].remaining() == 2  # its own bucket
+        # Tokens: a charge on one replica (it may overdraw) empties the bucket for the other one.
+        assert (await replicas[0].charge(alpha[0], 7))["tokens"].remaining() == 0
+        refused = await replicas[1].admit(alpha[1], generation=True)
+        assert refused.refusal is not None and "tokens per minute" in refused.refusal[1]
+        assert 12 < refused.refusal[2] <= 36  # -2 tokens: 3 tokens at 12 s each until one is there
+        # Redis gone: each replica falls back to its own (full) buckets and says so.
+        redis.stop()
+        fallback = await replicas[0].admit(alpha[0], generation=False)
+        assert fallback.refusal is None and fallback.views["requests"].remaining() == 2
+        labels = {"backend": "redis", "cache": "tenant_quota"}
+        assert metrics[0].registry.get_sample_value("titan:cache_backend_up", labels) == 0
+        assert metrics[0].registry.get_sample_value("titan:cache_backend_errors_total", labels) == 1
+        for replica in replicas:
+            await replica.close()
+
+    with RedisProcess() as redis:
+        asyncio.run(run(redis.url, redis))

@@ -202,7 +202,8 @@ def build_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if tenants is not None:
         app.add_middleware(TenantGate, registry=tenants, protect_metrics=metrics_require_key,
-                           metrics=gateway.metrics if gateway is not None else None)
+                           metrics=gateway.metrics if gateway is not None else None,
+                           quota=gateway.quota if gateway is not None else None)
     elif api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key, protect_metrics=metrics_require_key)
     return app

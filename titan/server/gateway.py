@@ -25,7 +25,8 @@ from titan.server.gateway_metrics import GatewayMetrics
 from titan.server.guardrails import FLAG_HEADER, Guardrails, OutputFilter, check_input
 from titan.server.result_cache import CACHE_HEADER, cache_key, decode_entry, deterministic, encode_entry
 from titan.server.serving import PRIORITY_CLASSES
-from titan.server.tenants import Tenant, tenant_of
+from titan.server.tenant_quota import Quota
+from titan.server.tenants import RequestQuota, Tenant, quota_of, tenant_of
 
 if TYPE_CHECKING:
     from titan.engine.llm_engine import EngineInfo
@@ -47,6 +48,7 @@ class Gateway:
     shared: bool = False  # cache entries shared across tenants
     guardrails: Guardrails | None = None
     semantic: SemanticCache | None = None
+    quota: Quota | None = None  # where tenants' token buckets live (None: in-process)
 
     def start(self) -> None:
         if self.semantic is not None:
@@ -57,6 +59,8 @@ class Gateway:
             await self.store.close()
         if self.semantic is not None:
             await self.semantic.close()
+        if self.quota is not None:
+            await self.quota.close()
 
     def tenant(self, request: Request) -> Tenant | None:
         return tenant_of(request.scope)
@@ -91,7 +95,7 @@ class Gateway:
                    model: str, input_flags: list[str]) -> RequestPlan:
         body = route.body
         tenant = self.tenant(request)
-        plan = RequestPlan(self, tenant, input_flags)
+        plan = RequestPlan(self, tenant, input_flags, quota_of(request.scope))
         if self.guardrails is not None and self.guardrails.output:
             if route.wants_logprobs():
                 raise APIError(HTTPStatus.BAD_REQUEST, "logprobs cannot be combined with output guardrails (they "
@@ -147,6 +151,7 @@ class RequestPlan:
     gateway: Gateway
     tenant: Tenant | None
     input_flags: list[str]
+    quota: RequestQuota | None = None  # the tenant's buckets (in-process or in Redis) for the token charge
     key: str | None = None  # the result cache's key; None: not cacheable
     semantic_key: Any = None  # the semantic cache's scope and query embedding
     hit: dict[str, Any] | None = None  # the stored {"choices", "usage"} on a hit
@@ -202,17 +207,28 @@ class RequestPlan:
 
     # ---- completion ----------------------------------------------------------------------------
     def charge(self, usage: dict[str, int]) -> None:
+        """From code that cannot wait: the quota charge runs as a task (a no-op once charged)."""
+        if self.count(usage) and self.quota is not None:
+            self.quota.charge_later(usage["total_tokens"])
+
+    async def settle(self, usage: dict[str, int]) -> None:
+        """Charge the tenant before the response ends, so its next request (on any replica) sees it."""
+        if self.count(usage) and self.quota is not None:
+            await self.quota.charge(usage["total_tokens"])
+
+    def count(self, usage: dict[str, int]) -> bool:
+        """Count the tokens in the tenant's metrics, once; True when they still have to be charged."""
         if self.charged or self.tenant is None:
-            return
+            return False
         self.charged = True
-        self.tenant.charge_tokens(usage["total_tokens"])
         metrics = self.gateway.metrics
         metrics.tenant_tokens.labels(self.tenant.label, "prompt").inc(usage["prompt_tokens"])
         metrics.tenant_tokens.labels(self.tenant.label, "completion").inc(usage["completion_tokens"])
+        return True
 
     async def finish(self, choices: list[dict[str, Any]], usage: dict[str, int], complete: bool) -> None:
         """Charge the tenant; store a complete response (every choice ended by stop, length or a filter)."""
-        self.charge(usage)
+        await self.settle(usage)
         if not complete or self.hit is not None:
             return
         reasons = {choice.get("finish_reason") for choice in choices}

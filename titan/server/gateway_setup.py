@@ -8,6 +8,7 @@ from titan.server.cache_store import CacheStore, MemoryStore, RedisStore
 from titan.server.gateway import Gateway
 from titan.server.gateway_metrics import GatewayMetrics
 from titan.server.guardrails import GuardrailsConfigError, load_guardrails
+from titan.server.tenant_quota import Quota, RedisQuota
 from titan.server.tenants import TenantRegistry, TenantsFileError, load_tenants
 
 
@@ -55,5 +56,8 @@ def build_gateway(args: argparse.Namespace) -> tuple[Gateway | None, TenantRegis
                                  args.semantic_cache_entries, args.result_cache_ttl, redis_url=args.cache_url)
     if tenants is None and store is None and guardrails is None and semantic is None:
         return None, None  # nothing on: requests take the plain path
-    gateway = Gateway(metrics, store, args.result_cache_ttl, args.result_cache_shared, guardrails, semantic)
+    quota: Quota | None = None
+    if tenants is not None and args.cache_url:  # every replica draws on the same buckets
+        quota = RedisQuota(args.cache_url, metrics, timeout_seconds=args.cache_timeout_ms / 1000)
+    gateway = Gateway(metrics, store, args.result_cache_ttl, args.result_cache_shared, guardrails, semantic, quota)
     return gateway, tenants
