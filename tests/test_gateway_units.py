@@ -213,3 +213,44 @@ def test_redis_quota_is_one_bucket_for_every_replica_and_falls_back_to_local_one
 
     with RedisProcess() as redis:
         asyncio.run(run(redis.url, redis))
+
+
+# Keys of several providers, in the shapes detect-secrets' detectors know (built from parts: no real keys).
+PROVIDER_KEYS = {
+    "AWS": "AKIA" + "QWERTYUIOPASDFGH",
+    "GitHub": "ghp_" + "a1B2" * 9,
+    "GitLab": "glpat-" + "x1y2z3" * 4,
+    "Slack": "xoxb-" + "123456789012-1234567890123-" + "abcdEFGH1234",
+    "Stripe": "sk_" + "live_" + "4eC39HqLyjWDarjtT1zdp7dc",
+    "Twilio": "SK" + "0123456789abcdef" * 2,
+    "SendGrid": "SG." + "a" * 22 + "." + "b" * 43,
+    "Google": "AIza" + "Sy" + "A" * 33,
+    "private": "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA\nq8s+/=\n-----END RSA PRIVATE KEY-----",
+}
+
+
+def test_api_key_filter_uses_detect_secrets_detectors_across_stream_chunks(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text("output: [{filter: api_key, action: redact}]")
+    rules = load_guardrails(path).output
+    text = "Keys: " + "; ".join(f"{name} {key}" for name, key in PROVIDER_KEYS.items()) + ". Done."
+    expected = "Keys: " + "; ".join(f"{name} [REDACTED:api_key]" for name in PROVIDER_KEYS) + ". Done."
+    for size in (1, 2, 3, 5, 8, 13, len(text)):
+        filt = OutputFilter(rules)
+        chunks = [filt.feed(text[i:i + size], final=False) for i in range(0, len(text), size)]
+        chunks.append(filt.feed("", final=True))
+        # What left, chunk by chunk, is the redacted text: no character of a key was released early.
+        assert "".join(chunks) == filt.text == expected, size
+    # Prose with the detectors' prefixes passes untouched; block cuts before the key.
+    assert OutputFilter(rules).feed("The Application in Montreal: https://example.com, 12345678.", final=True) == (
+        "The Application in Montreal: https://example.com, 12345678.")
+    path.write_text("output: [{filter: api_key, action: block, detectors: [AWSKeyDetector]}]")
+    only_aws = OutputFilter(load_guardrails(path).output)
+    github = PROVIDER_KEYS["GitHub"]
+    pieces = ("token ", github[:10], github[10:], " then AKIA", "QWERTYUIOPASDFGH now")
+    streamed = [only_aws.feed(piece, final=False) for piece in pieces]
+    assert "".join(streamed) == "token " + PROVIDER_KEYS["GitHub"] + " then "
+    assert only_aws.blocked is not None and only_aws.blocked.name == "api_key"
+    path.write_text("output: [{filter: api_key, detectors: [NoSuchDetector]}]")
+    with pytest.raises(GuardrailsConfigError, match="unknown detector"):
+        load_guardrails(path)
