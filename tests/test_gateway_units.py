@@ -254,3 +254,34 @@ def test_api_key_filter_uses_detect_secrets_detectors_across_stream_chunks(tmp_p
     path.write_text("output: [{filter: api_key, detectors: [NoSuchDetector]}]")
     with pytest.raises(GuardrailsConfigError, match="unknown detector"):
         load_guardrails(path)
+
+
+def test_flights_coalesce_identical_requests_bounded_and_released_when_the_leader_fails() -> None:
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from titan.server.coalesce import FLIGHTS_KEY, Flights
+
+    registry = CollectorRegistry()
+    waiting = Gauge("waiting", "waiting", registry=registry)
+    flights = Flights(max_waiters=2, waiting=waiting)
+
+    async def run() -> None:
+        scope: dict = {"state": {FLIGHTS_KEY: []}}
+        leader = flights.lead("k", scope)
+        assert leader is not None and flights.lead("k", scope) is None  # one flight per key
+        assert flights.lead("other", {"state": {}}) is None  # no FlightRelease around it: it may not lead
+        followers = [asyncio.ensure_future(flights.follow("k")) for _ in range(3)]
+        await asyncio.sleep(0)  # let them join (an event-loop turn, not a wait for time)
+        assert registry.get_sample_value("waiting") == 2  # the third found the flight full and computes on its own
+        assert await followers[2] is None
+        flights.land(leader, {"choices": [], "usage": {"total_tokens": 3}})
+        assert [(await f)["usage"]["total_tokens"] for f in followers[:2]] == [3, 3] and "k" not in flights.flights
+        assert registry.get_sample_value("waiting") == 0
+        # A leader that ends without a response releases its waiters with None.
+        again = flights.lead("k", scope)
+        follower = asyncio.ensure_future(flights.follow("k"))
+        await asyncio.sleep(0)
+        flights.land(again, None)
+        assert await follower is None and not flights.flights
+
+    asyncio.run(run())

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -221,6 +222,58 @@ def test_semantic_labelled_set_hit_and_false_hit_rates() -> None:
     false_hit_rate = sum(s >= threshold for s in similarities(NEAR_MISSES)) / len(NEAR_MISSES)
     print(f"semantic cache at {threshold}: hit rate {hit_rate:.2f}, false-hit rate {false_hit_rate:.2f}")
     assert hit_rate >= 0.5 and false_hit_rate <= 0.1
+
+
+def gauge(server: ServerProcess, name: str) -> float:
+    return sum(sample.value for sample in server.metric_samples(name))
+
+
+def wait_until(condition: Callable[[], bool], polls: int = 3000) -> None:
+    """Poll for an event the server reports (bounded by a count of polls, 0.1 s apart)."""
+    for _ in range(polls):
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError("the server never reported the awaited state")
+
+
+def test_identical_requests_in_flight_are_coalesced() -> None:
+    args = ["--max-num-seqs", "1", "--kv-cache-memory", "0.05", "--no-warmup", "--result-cache"]
+    with ServerProcess(args) as server:
+        running, release = threading.Event(), threading.Event()
+
+        def blocker() -> None:  # sampled, so never cached: it holds the only batch slot until released
+            body = {"prompt": PLANETS, "max_tokens": 1000, "ignore_eos": True, "temperature": 0.5, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as reply:
+                for _ in reply.iter_lines():
+                    running.set()
+                    if release.is_set():
+                        break
+
+        replies: dict[str, httpx.Response] = {}
+
+        def ask(name: str) -> None:
+            replies[name] = httpx.post(server.url + "/v1/completions", timeout=300,
+                                       json={"prompt": FRANCE, "max_tokens": 6, "temperature": 0})
+
+        threads = [threading.Thread(target=blocker), threading.Thread(target=ask, args=("leader",)),
+                   threading.Thread(target=ask, args=("follower",))]
+        threads[0].start()
+        try:
+            assert running.wait(300)
+            threads[1].start()  # queued behind the blocker: its flight has started
+            wait_until(lambda: gauge(server, "titan:num_requests_waiting") == 1)
+            threads[2].start()  # the same request: it waits for the leader instead of queueing too
+            wait_until(lambda: gauge(server, "titan:cache_coalesce_waiting") == 1)
+            assert gauge(server, "titan:num_requests_waiting") == 1  # only the leader is in the engine's queue
+        finally:
+            release.set()
+            for thread in threads:
+                if thread.is_alive() or thread.ident is not None:
+                    thread.join()
+    leader, follower = replies["leader"], replies["follower"]
+    assert leader.headers["x-titan-cache"] == "miss" and follower.headers["x-titan-cache"] == "coalesced"
+    assert follower.json()["choices"] == leader.json()["choices"] and follower.json()["usage"] == leader.json()["usage"]
 
 
 COUNTED = "sk-counted-0006"

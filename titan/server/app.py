@@ -30,6 +30,7 @@ from titan.engine.step_observer import StepRecord
 from titan.kernels import build as kernels
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
+from titan.server.coalesce import FlightRelease
 from titan.server.completions import create_completion
 from titan.server.errors import bad_request, install_error_handlers, validation_error
 from titan.server.gateway import Gateway
@@ -200,6 +201,8 @@ def build_app(
     install_dashboard(app, ServerDashboard(engine, dashboard or DashboardSettings()).data)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if gateway is not None and gateway.flights is not None:
+        app.add_middleware(FlightRelease, flights=gateway.flights)
     if tenants is not None:
         app.add_middleware(TenantGate, registry=tenants, protect_metrics=metrics_require_key,
                            metrics=gateway.metrics if gateway is not None else None,

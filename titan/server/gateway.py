@@ -20,6 +20,7 @@ from fastapi import Request
 
 from titan.engine.outputs import RequestOutput
 from titan.server.cache_store import CacheStore
+from titan.server.coalesce import Flight, Flights
 from titan.server.errors import APIError
 from titan.server.gateway_metrics import GatewayMetrics
 from titan.server.guardrails import FLAG_HEADER, Guardrails, OutputFilter, check_input
@@ -49,6 +50,7 @@ class Gateway:
     guardrails: Guardrails | None = None
     semantic: SemanticCache | None = None
     quota: Quota | None = None  # where tenants' token buckets live (None: in-process)
+    flights: Flights | None = None  # identical deterministic requests in flight (None: not coalesced)
 
     def start(self) -> None:
         if self.semantic is not None:
@@ -116,9 +118,14 @@ class Gateway:
                 raw = await self.store.get(plan.key)
                 self.metrics.cache_lookup.labels("result").observe(time.perf_counter() - started)
                 entry = decode_entry(raw) if raw is not None else None
-                self.metrics.cache_requests.labels("result", "hit" if entry else "miss").inc()
+                kind = "hit"
+                if entry is None and self.flights is not None:  # the same request may be running now
+                    entry, kind = await self.flights.follow(plan.key), "coalesced"
+                    if entry is None:
+                        plan.flight = self.flights.lead(plan.key, request.scope)
+                self.metrics.cache_requests.labels("result", kind if entry else "miss").inc()
                 if entry is not None:
-                    plan.hit, plan.hit_kind = entry, "hit"
+                    plan.hit, plan.hit_kind = entry, kind
                     self.metrics.cache_tokens_saved.labels("result").inc(entry["usage"]["total_tokens"])
                     return plan
         if getattr(body, "titan_semantic_cache", False) and not opted_out:
@@ -153,6 +160,7 @@ class RequestPlan:
     input_flags: list[str]
     quota: RequestQuota | None = None  # the tenant's buckets (in-process or in Redis) for the token charge
     key: str | None = None  # the result cache's key; None: not cacheable
+    flight: Flight | None = None  # the identical requests waiting for this one's response
     semantic_key: Any = None  # the semantic cache's scope and query embedding
     hit: dict[str, Any] | None = None  # the stored {"choices", "usage"} on a hit
     hit_kind: str = ""
@@ -233,9 +241,11 @@ class RequestPlan:
             return
         reasons = {choice.get("finish_reason") for choice in choices}
         if "abort" in reasons or None in reasons:
-            return
+            return  # its waiters, if any, compute on their own once the request has ended (FlightRelease)
         stored = [{k: v for k, v in choice.items() if k not in ("titan_timeline", "titan_degraded")}
                   for choice in choices]
+        if self.flight is not None and self.gateway.flights is not None:
+            self.gateway.flights.land(self.flight, {"choices": stored, "usage": usage})
         if self.key is not None and self.gateway.store is not None:
             await self.gateway.store.set(self.key, encode_entry(stored, usage), self.gateway.ttl_seconds)
         if self.semantic_key is not None and self.gateway.semantic is not None:
