@@ -111,6 +111,7 @@ class MemoryQuota:
 # tokens buckets; ARGV: their capacities (0: no such limit), 1 when the request generates (it needs a
 # positive token bucket). Returns {refused kind or "", requests level, tokens level}.
 ADMIT = """
+if redis.replicate_commands then redis.replicate_commands() end  -- Redis < 5: TIME, then writes
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function level(key, capacity)
@@ -137,6 +138,7 @@ return {'', tostring(requests), tostring(tokens)}
 """
 # KEYS: the tokens bucket; ARGV: its capacity, the tokens to take (it may go below zero). Returns the level.
 CHARGE = """
+if redis.replicate_commands then redis.replicate_commands() end  -- Redis < 5: TIME, then writes
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local capacity, amount = tonumber(ARGV[1]), tonumber(ARGV[2])
