@@ -4,7 +4,8 @@ The YAML file lists keys (`key`, or `key_sha256` so the file need not hold the s
 name and optional limits. Only SHA-256 digests are kept in memory. The ASGI gate authenticates every
 protected route, refuses with 429 and OpenAI's `x-ratelimit-*` headers when a request or token bucket
 is empty or `max_concurrent` requests are already running, and puts the tenant on the scope for the
-handlers (model allow-list, priority class, token charges).
+handlers (model allow-list, priority class, token charges). The buckets live where the `Quota` says
+(tenant_quota.py): in this process, or in Redis shared by every replica; `max_concurrent` is per replica.
 """
 
 from __future__ import annotations
