@@ -111,9 +111,11 @@ def run_config(name: str, flags: list[str], prompts: list[str], rate: float, max
         saved = metric(server.url, "titan:cache_tokens_saved_total")
     result = {"config": name, "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
               "ttft_p99_ms": percentile(ttfts, 0.99) * 1000, "engine_tokens": computed, "tokens_saved": saved,
-              "hits": kinds.count("hit"), "semantic_hits": kinds.count("semantic-hit"), "requests": len(prompts)}
+              "hits": kinds.count("hit"), "coalesced": kinds.count("coalesced"),
+              "semantic_hits": kinds.count("semantic-hit"), "requests": len(prompts)}
     print(f"{name:>15}: TTFT P50 {result['ttft_p50_ms']:.0f} ms, P99 {result['ttft_p99_ms']:.0f} ms; engine tokens "
-          f"{computed:.0f}, saved {saved:.0f}; hits {result['hits']}, semantic hits {result['semantic_hits']}")
+          f"{computed:.0f}, saved {saved:.0f}; hits {result['hits']}, coalesced {result['coalesced']}, semantic hits "
+          f"{result['semantic_hits']}")
     return result
 
 

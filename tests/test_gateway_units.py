@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisProcess, redis_available
 from titan.server.cache_store import MemoryStore
 from titan.server.guardrails import GuardrailsConfigError, OutputFilter, check_input, iban_valid, load_guardrails, luhn
 from titan.server.result_cache import cache_key, replay_chunks
@@ -171,3 +172,116 @@ def test_a_tenant_priority_class_is_a_floor() -> None:
 
     assert priority("b", 0) == 1 and priority("b", 5) == 5  # batch may go lower, never above its class
     assert priority("i", 0) == 0 and priority("i", 1) == 1
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed (.ci/run installs Debian's)")
+def test_redis_quota_is_one_bucket_for_every_replica_and_falls_back_to_local_ones() -> None:
+    from titan.server.gateway_metrics import GatewayMetrics
+    from titan.server.tenant_quota import RedisQuota
+
+    # requests_per_minute 3 refills one request every 20 s, tokens_per_minute 5 one token every 12 s: the
+    # counts below hold unless one of these waits passes mid-test (a few Redis round trips).
+    registries = [TenantRegistry(parse_tenants({"keys": [
+        {"key": "a", "tenant": "alpha", "requests_per_minute": 3, "tokens_per_minute": 5},
+        {"key": "b", "tenant": "beta", "requests_per_minute": 3}]})) for _ in range(2)]
+
+    async def run(url: str, redis: RedisProcess) -> None:
+        metrics = [GatewayMetrics(), GatewayMetrics()]
+        replicas = [RedisQuota(url, metrics[i], timeout_seconds=5) for i in range(2)]
+        alpha = [registry.authenticate("a") for registry in registries]
+        seen = []
+        for turn in range(5):  # alternate replicas, as a round-robin router does
+            admission = await replicas[turn % 2].admit(alpha[turn % 2], generation=False)
+            seen.append((admission.refusal[0] if admission.refusal else "ok", admission.views["requests"].remaining()))
+        assert seen == [("ok", 2), ("ok", 1), ("ok", 0), ("rate_limit_exceeded", 0), ("rate_limit_exceeded", 0)]
+        beta = await replicas[1].admit(registries[1].authenticate("b"), generation=False)
+        assert beta.refusal is None and beta.views["requests"].remaining() == 2  # its own bucket
+        # Tokens: a charge on one replica (it may overdraw) empties the bucket for the other one.
+        assert (await replicas[0].charge(alpha[0], 7))["tokens"].remaining() == 0
+        refused = await replicas[1].admit(alpha[1], generation=True)
+        assert refused.refusal is not None and "tokens per minute" in refused.refusal[1]
+        assert 12 < refused.refusal[2] <= 36  # -2 tokens: 3 tokens at 12 s each until one is there
+        # Redis gone: each replica falls back to its own (full) buckets and says so.
+        redis.stop()
+        fallback = await replicas[0].admit(alpha[0], generation=False)
+        assert fallback.refusal is None and fallback.views["requests"].remaining() == 2
+        labels = {"backend": "redis", "cache": "tenant_quota"}
+        assert metrics[0].registry.get_sample_value("titan:cache_backend_up", labels) == 0
+        assert metrics[0].registry.get_sample_value("titan:cache_backend_errors_total", labels) == 1
+        for replica in replicas:
+            await replica.close()
+
+    with RedisProcess() as redis:
+        asyncio.run(run(redis.url, redis))
+
+
+# Keys of several providers, in the shapes detect-secrets' detectors know (built from parts: no real keys).
+PROVIDER_KEYS = {
+    "AWS": "AKIA" + "QWERTYUIOPASDFGH",
+    "GitHub": "ghp_" + "a1B2" * 9,
+    "GitLab": "glpat-" + "x1y2z3" * 4,
+    "Slack": "xoxb-" + "123456789012-1234567890123-" + "abcdEFGH1234",
+    "Stripe": "sk_" + "live_" + "4eC39HqLyjWDarjtT1zdp7dc",
+    "Twilio": "SK" + "0123456789abcdef" * 2,
+    "SendGrid": "SG." + "a" * 22 + "." + "b" * 43,
+    "Google": "AIza" + "Sy" + "A" * 33,
+    "private": "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA\nq8s+/=\n-----END RSA PRIVATE KEY-----",
+}
+
+
+def test_api_key_filter_uses_detect_secrets_detectors_across_stream_chunks(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text("output: [{filter: api_key, action: redact}]")
+    rules = load_guardrails(path).output
+    text = "Keys: " + "; ".join(f"{name} {key}" for name, key in PROVIDER_KEYS.items()) + ". Done."
+    expected = "Keys: " + "; ".join(f"{name} [REDACTED:api_key]" for name in PROVIDER_KEYS) + ". Done."
+    for size in (1, 2, 3, 5, 8, 13, len(text)):
+        filt = OutputFilter(rules)
+        chunks = [filt.feed(text[i:i + size], final=False) for i in range(0, len(text), size)]
+        chunks.append(filt.feed("", final=True))
+        # What left, chunk by chunk, is the redacted text: no character of a key was released early.
+        assert "".join(chunks) == filt.text == expected, size
+    # Prose with the detectors' prefixes passes untouched; block cuts before the key.
+    assert OutputFilter(rules).feed("The Application in Montreal: https://example.com, 12345678.", final=True) == (
+        "The Application in Montreal: https://example.com, 12345678.")
+    path.write_text("output: [{filter: api_key, action: block, detectors: [AWSKeyDetector]}]")
+    only_aws = OutputFilter(load_guardrails(path).output)
+    github = PROVIDER_KEYS["GitHub"]
+    pieces = ("token ", github[:10], github[10:], " then AKIA", "QWERTYUIOPASDFGH now")
+    streamed = [only_aws.feed(piece, final=False) for piece in pieces]
+    assert "".join(streamed) == "token " + PROVIDER_KEYS["GitHub"] + " then "
+    assert only_aws.blocked is not None and only_aws.blocked.name == "api_key"
+    path.write_text("output: [{filter: api_key, detectors: [NoSuchDetector]}]")
+    with pytest.raises(GuardrailsConfigError, match="unknown detector"):
+        load_guardrails(path)
+
+
+def test_flights_coalesce_identical_requests_bounded_and_released_when_the_leader_fails() -> None:
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from titan.server.coalesce import FLIGHTS_KEY, Flights
+
+    registry = CollectorRegistry()
+    waiting = Gauge("waiting", "waiting", registry=registry)
+    flights = Flights(max_waiters=2, waiting=waiting)
+
+    async def run() -> None:
+        scope: dict = {"state": {FLIGHTS_KEY: []}}
+        leader = flights.lead("k", scope)
+        assert leader is not None and flights.lead("k", scope) is None  # one flight per key
+        assert flights.lead("other", {"state": {}}) is None  # no FlightRelease around it: it may not lead
+        followers = [asyncio.ensure_future(flights.follow("k")) for _ in range(3)]
+        await asyncio.sleep(0)  # let them join (an event-loop turn, not a wait for time)
+        assert registry.get_sample_value("waiting") == 2  # the third found the flight full and computes on its own
+        assert await followers[2] is None
+        flights.land(leader, {"choices": [], "usage": {"total_tokens": 3}})
+        assert [(await f)["usage"]["total_tokens"] for f in followers[:2]] == [3, 3] and "k" not in flights.flights
+        assert registry.get_sample_value("waiting") == 0
+        # A leader that ends without a response releases its waiters with None.
+        again = flights.lead("k", scope)
+        follower = asyncio.ensure_future(flights.follow("k"))
+        await asyncio.sleep(0)
+        flights.land(again, None)
+        assert await follower is None and not flights.flights
+
+    asyncio.run(run())

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -223,30 +224,169 @@ def test_semantic_labelled_set_hit_and_false_hit_rates() -> None:
     assert hit_rate >= 0.5 and false_hit_rate <= 0.1
 
 
-@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed (.ci/run installs Debian's)")
-def test_redis_shared_by_two_replicas_through_the_router_and_redis_dying() -> None:
+def gauge(server: ServerProcess, name: str) -> float:
+    return sum(sample.value for sample in server.metric_samples(name))
+
+
+def wait_until(condition: Callable[[], bool], polls: int = 3000) -> None:
+    """Poll for an event the server reports (bounded by a count of polls, 0.1 s apart)."""
+    for _ in range(polls):
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError("the server never reported the awaited state")
+
+
+def test_identical_requests_in_flight_are_coalesced() -> None:
+    args = ["--max-num-seqs", "1", "--kv-cache-memory", "0.05", "--no-warmup", "--result-cache"]
+    with ServerProcess(args) as server:
+        running, release = threading.Event(), threading.Event()
+
+        def blocker() -> None:  # sampled, so never cached: it holds the only batch slot until released
+            body = {"prompt": PLANETS, "max_tokens": 1000, "ignore_eos": True, "temperature": 0.5, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as reply:
+                for _ in reply.iter_lines():
+                    running.set()
+                    if release.is_set():
+                        break
+
+        replies: dict[str, httpx.Response] = {}
+
+        def ask(name: str) -> None:
+            replies[name] = httpx.post(server.url + "/v1/completions", timeout=300,
+                                       json={"prompt": FRANCE, "max_tokens": 6, "temperature": 0})
+
+        threads = [threading.Thread(target=blocker), threading.Thread(target=ask, args=("leader",)),
+                   threading.Thread(target=ask, args=("follower",))]
+        threads[0].start()
+        try:
+            assert running.wait(300)
+            threads[1].start()  # queued behind the blocker: its flight has started
+            wait_until(lambda: gauge(server, "titan:num_requests_waiting") == 1)
+            threads[2].start()  # the same request: it waits for the leader instead of queueing too
+            wait_until(lambda: gauge(server, "titan:cache_coalesce_waiting") == 1)
+            assert gauge(server, "titan:num_requests_waiting") == 1  # only the leader is in the engine's queue
+        finally:
+            release.set()
+            for thread in threads:
+                if thread.is_alive() or thread.ident is not None:
+                    thread.join()
+    leader, follower = replies["leader"], replies["follower"]
+    assert leader.headers["x-titan-cache"] == "miss" and follower.headers["x-titan-cache"] == "coalesced"
+    assert follower.json()["choices"] == leader.json()["choices"] and follower.json()["usage"] == leader.json()["usage"]
+
+
+COUNTED = "sk-counted-0006"
+FLEET_KEYS = f"""
+keys:
+  - {{key: {ALPHA}, tenant: alpha}}
+  - {{key: {COUNTED}, tenant: counted, requests_per_minute: 2}}
+  - {{key: {BETA}, tenant: beta, requests_per_minute: 100}}
+  - {{key: {THRIFTY}, tenant: thrifty, tokens_per_minute: 6}}
+  - {{key: sk-nomodel, tenant: nomodel, models: [other-model]}}
+"""
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+Fleet = tuple[RedisProcess, ServerProcess, ServerProcess, RouterProcess]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One Redis, two replicas sharing it and one keys file, `titan router` round-robin in front."""
+    if not redis_available():
+        pytest.skip("redis-server is not installed (.ci/run installs Debian's)")
+    keys = tmp_path_factory.mktemp("fleet") / "keys.yaml"
+    keys.write_text(FLEET_KEYS)
     with RedisProcess() as redis:
-        args = [*BASE, "--result-cache", "--semantic-cache", "--cache-url", redis.url]
+        # A generous Redis timeout: a loaded machine must not send a replica to its local buckets mid-test.
+        args = [*BASE, "--result-cache", "--semantic-cache", "--cache-url", redis.url, "--api-keys-file", str(keys),
+                "--cache-timeout-ms", "5000"]
         env = {"OMP_NUM_THREADS": "1"}
         with ServerProcess(args, env=env) as one, ServerProcess(args, env=env) as two, \
                 RouterProcess([one.url, two.url], ["--policy", "round-robin", "--health-interval", "0.2"]) as router:
-            body = {"prompt": FRANCE, "max_tokens": 6, "temperature": 0}
-            replies = [httpx.post(router.url + "/v1/completions", json=body, timeout=300) for _ in range(2)]
-            assert [r.headers["x-titan-cache"] for r in replies] == ["miss", "hit"]
-            assert replies[0].headers["x-titan-router-backend"] != replies[1].headers["x-titan-router-backend"]
-            assert replies[0].json()["choices"] == replies[1].json()["choices"]
-            # The semantic cache's vectors live in Redis too: a paraphrase sent to the other replica hits.
-            asked = []
-            for question in ("What is the capital of France?", "What's the capital city of France?"):
-                reply = httpx.post(router.url + "/v1/chat/completions", timeout=300, json={
-                    "messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0,
-                    "titan_semantic_cache": True})
-                asked.append((reply.headers["x-titan-cache"], reply.headers["x-titan-router-backend"]))
-            assert [kind for kind, _ in asked] == ["miss", "semantic-hit"] and asked[0][1] != asked[1][1]
-            redis.stop()  # Redis dies mid-run: both replicas keep serving, uncached, and say so
-            for server in (one, two):
-                reply = httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 3}, timeout=300)
-                assert reply.status_code == 200 and reply.headers["x-titan-cache"] == "miss"
-                up = {s.labels["cache"]: s.value for s in server.metric_samples("titan:cache_backend_up")}
-                assert up["result"] == 0.0
-                assert "cache backend redis unavailable" in server.log()
+            yield redis, one, two, router
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_redis_caches_shared_by_two_replicas_through_the_router(fleet: Fleet) -> None:
+    _, _, _, router = fleet
+    body = {"prompt": FRANCE, "max_tokens": 6, "temperature": 0}
+    replies = [httpx.post(router.url + "/v1/completions", json=body, headers=auth(ALPHA), timeout=300)
+               for _ in range(2)]
+    assert [r.headers["x-titan-cache"] for r in replies] == ["miss", "hit"]
+    assert replies[0].headers["x-titan-router-backend"] != replies[1].headers["x-titan-router-backend"]
+    assert replies[0].json()["choices"] == replies[1].json()["choices"]
+    # The semantic cache's vectors live in Redis too: a paraphrase sent to the other replica hits.
+    asked = []
+    for question in ("What is the capital of France?", "What's the capital city of France?"):
+        reply = httpx.post(router.url + "/v1/chat/completions", timeout=300, headers=auth(ALPHA), json={
+            "messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0,
+            "titan_semantic_cache": True})
+        asked.append((reply.headers["x-titan-cache"], reply.headers["x-titan-router-backend"]))
+    assert [kind for kind, _ in asked] == ["miss", "semantic-hit"] and asked[0][1] != asked[1][1]
+
+
+def seconds(text: str) -> float:
+    """An x-ratelimit-reset-* value (`0.5s`, `59.2s`, `1m0s`) in seconds."""
+    minutes, _, rest = text.rpartition("m")
+    return float(minutes or 0) * 60 + float(rest.removesuffix("s"))
+
+
+def test_tenant_quotas_are_exact_across_replicas_behind_the_router(fleet: Fleet) -> None:
+    _, one, two, router = fleet
+    for server in (one, two):  # the replicas' first generations, by a tenant without limits
+        assert complete(server, ALPHA, max_tokens=1, titan_cache=False).status_code == 200
+
+    def attempt(key: str, **body: object) -> tuple[int, httpx.Headers, dict]:
+        openai_client = openai.OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0, timeout=300)
+        try:
+            raw = openai_client.completions.with_raw_response.create(
+                model=MODEL, prompt=FRANCE, max_tokens=1, temperature=0, extra_body={"titan_cache": False, **body})
+            return raw.status_code, raw.headers, {}
+        except openai.APIStatusError as error:
+            return error.status_code, error.response.headers, error.response.json()["error"]
+
+    # requests_per_minute 2 refills one request every 30 s; these four requests take a small part of that.
+    counted = [attempt(COUNTED) for _ in range(4)]
+    assert [status for status, _, _ in counted] == [200, 200, 429, 429]
+    backends = [headers["x-titan-router-backend"] for _, headers, _ in counted]
+    assert len(set(backends)) == 2 and backends[0] != backends[1]  # each replica alone would have let 2 through
+    assert [headers["x-ratelimit-limit-requests"] for _, headers, _ in counted] == ["2"] * 4
+    assert [headers["x-ratelimit-remaining-requests"] for _, headers, _ in counted] == ["1", "0", "0", "0"]
+    for _, headers, error in counted[2:]:
+        assert error["code"] == "rate_limit_exceeded" and "requests per minute" in error["message"]
+        assert 1 <= int(headers["retry-after"]) <= 30  # until one request is back
+        assert 30 < seconds(headers["x-ratelimit-reset-requests"]) <= 60  # until the bucket is full
+    # Tenant beta has its own bucket, untouched by counted's.
+    beta = [attempt(BETA) for _ in range(2)]
+    assert [(status, headers["x-ratelimit-remaining-requests"]) for status, headers, _ in beta] == [
+        (200, "99"), (200, "98")]
+    assert "x-ratelimit-limit-tokens" not in beta[0][1]
+    # tokens_per_minute 6: the first request overdraws the shared bucket, the next (other replica) must wait.
+    first = attempt(THRIFTY, max_tokens=12, ignore_eos=True)
+    second = attempt(THRIFTY)
+    assert first[0] == 200 and first[1]["x-ratelimit-limit-tokens"] == "6"
+    assert first[1]["x-ratelimit-remaining-tokens"] == "0"
+    assert second[0] == 429 and "tokens per minute" in second[2]["message"]
+    assert second[1]["x-ratelimit-remaining-tokens"] == "0"
+    assert first[1]["x-titan-router-backend"] != second[1]["x-titan-router-backend"]
+    # The model allow-list comes through the router as the replica's 403.
+    refused = attempt("sk-nomodel")
+    assert refused[0] == 403 and refused[2]["code"] == "model_not_allowed"
+
+
+def test_redis_dying_leaves_the_replicas_serving_without_it(fleet: Fleet) -> None:
+    redis, one, two, _ = fleet
+    redis.stop()  # Redis dies mid-run: both replicas keep serving, uncached, on their own buckets, and say so
+    body = {"prompt": FRANCE, "max_tokens": 3, "temperature": 0}
+    for server in (one, two):
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=auth(ALPHA), timeout=300)
+        assert reply.status_code == 200 and reply.headers["x-titan-cache"] == "miss"
+        limited = httpx.post(server.url + "/v1/completions", json=body, headers=auth(BETA), timeout=300)
+        assert limited.status_code == 200 and limited.headers["x-ratelimit-remaining-requests"] == "99"
+        up = {s.labels["cache"]: s.value for s in server.metric_samples("titan:cache_backend_up")}
+        assert up["result"] == 0.0 and up["tenant_quota"] == 0.0
+        assert "cache backend redis unavailable for the result cache" in server.log()
+        assert "cache backend redis unavailable for tenant quotas" in server.log()

@@ -42,6 +42,7 @@ from titan.server.api_models import (
 )
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
+from titan.server.coalesce import FlightRelease
 from titan.server.completions import create_completion
 from titan.server.errors import bad_request, install_error_handlers, validation_error
 from titan.server.gateway import Gateway
@@ -220,9 +221,12 @@ def build_app(
     install_dashboard(app, ServerDashboard(engine, dashboard or DashboardSettings()).data)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if gateway is not None and gateway.flights is not None:
+        app.add_middleware(FlightRelease, flights=gateway.flights)
     if tenants is not None:
         app.add_middleware(TenantGate, registry=tenants, protect_metrics=metrics_require_key,
-                           metrics=gateway.metrics if gateway is not None else None)
+                           metrics=gateway.metrics if gateway is not None else None,
+                           quota=gateway.quota if gateway is not None else None)
     elif api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key, protect_metrics=metrics_require_key)
     return app

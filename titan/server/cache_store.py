@@ -72,6 +72,41 @@ class MemoryStore:
         self.entries.clear()
 
 
+class BackendHealth:
+    """Up/down state of one Redis use: a failure marks it down (gauge 0, one log line) for `retry_seconds`;
+    the first success after that marks it up again (one more log line)."""
+
+    def __init__(self, metrics: GatewayMetrics, cache: str, what: str, fallback: str, backend: str = "redis",
+                 retry_seconds: float = 1.0) -> None:
+        self.metrics = metrics
+        self.backend = backend
+        self.cache = cache  # the metrics label: result | semantic | tenant_quota
+        self.what = what  # for the log: "the result cache", "tenant quotas"
+        self.fallback = fallback  # what the server does meanwhile, for the log
+        self.retry_seconds = retry_seconds
+        self.down_until = 0.0
+        self.up = True
+        metrics.cache_backend_up.labels(backend, cache).set(1)
+
+    def available(self) -> bool:
+        return self.up or time.monotonic() >= self.down_until
+
+    def failed(self, error: Exception) -> None:
+        self.metrics.cache_backend_errors.labels(self.backend, self.cache).inc()
+        self.down_until = time.monotonic() + self.retry_seconds
+        if self.up:
+            self.up = False
+            self.metrics.cache_backend_up.labels(self.backend, self.cache).set(0)
+            logger.warning("cache backend %s unavailable for %s (%s): %s", self.backend, self.what, error,
+                           self.fallback)
+
+    def succeeded(self) -> None:
+        if not self.up:
+            self.up = True
+            self.metrics.cache_backend_up.labels(self.backend, self.cache).set(1)
+            logger.warning("cache backend %s is back for %s", self.backend, self.what)
+
+
 class RedisStore:
     """Redis (`--cache-url redis://...`): SET with PX for the TTL; the memory bound is Redis's `maxmemory`."""
 
@@ -84,29 +119,17 @@ class RedisStore:
                                         retry_on_timeout=False)
         self.url = url
         self.prefix = prefix
-        self.metrics = metrics
-        self.retry_seconds = retry_seconds
-        self.down_until = 0.0
-        self.up = True
-        metrics.cache_backend_up.labels(self.name, cache).set(1)
+        self.health = BackendHealth(metrics, cache, f"the {cache} cache", "serving without it", self.name,
+                                    retry_seconds)
 
     def _available(self) -> bool:
-        return self.up or time.monotonic() >= self.down_until
+        return self.health.available()
 
     def _failed(self, error: Exception) -> None:
-        self.metrics.cache_backend_errors.labels(self.name, self.cache).inc()
-        self.down_until = time.monotonic() + self.retry_seconds
-        if self.up:
-            self.up = False
-            self.metrics.cache_backend_up.labels(self.name, self.cache).set(0)
-            logger.warning("cache backend %s unavailable for the %s cache (%s): serving without it", self.name,
-                           self.cache, error)
+        self.health.failed(error)
 
     def _succeeded(self) -> None:
-        if not self.up:
-            self.up = True
-            self.metrics.cache_backend_up.labels(self.name, self.cache).set(1)
-            logger.warning("cache backend %s is back for the %s cache", self.name, self.cache)
+        self.health.succeeded()
 
     async def get(self, key: str) -> bytes | None:
         if not self._available():

@@ -20,12 +20,14 @@ from fastapi import Request
 
 from titan.engine.outputs import RequestOutput
 from titan.server.cache_store import CacheStore
+from titan.server.coalesce import Flight, Flights
 from titan.server.errors import APIError
 from titan.server.gateway_metrics import GatewayMetrics
 from titan.server.guardrails import FLAG_HEADER, Guardrails, OutputFilter, check_input
 from titan.server.result_cache import CACHE_HEADER, cache_key, decode_entry, deterministic, encode_entry
 from titan.server.serving import PRIORITY_CLASSES
-from titan.server.tenants import Tenant, tenant_of
+from titan.server.tenant_quota import Quota
+from titan.server.tenants import RequestQuota, Tenant, quota_of, tenant_of
 
 if TYPE_CHECKING:
     from titan.engine.llm_engine import EngineInfo
@@ -47,6 +49,8 @@ class Gateway:
     shared: bool = False  # cache entries shared across tenants
     guardrails: Guardrails | None = None
     semantic: SemanticCache | None = None
+    quota: Quota | None = None  # where tenants' token buckets live (None: in-process)
+    flights: Flights | None = None  # identical deterministic requests in flight (None: not coalesced)
 
     def start(self) -> None:
         if self.semantic is not None:
@@ -57,6 +61,8 @@ class Gateway:
             await self.store.close()
         if self.semantic is not None:
             await self.semantic.close()
+        if self.quota is not None:
+            await self.quota.close()
 
     def tenant(self, request: Request) -> Tenant | None:
         return tenant_of(request.scope)
@@ -91,7 +97,7 @@ class Gateway:
                    model: str, input_flags: list[str]) -> RequestPlan:
         body = route.body
         tenant = self.tenant(request)
-        plan = RequestPlan(self, tenant, input_flags)
+        plan = RequestPlan(self, tenant, input_flags, quota_of(request.scope))
         if self.guardrails is not None and self.guardrails.output:
             if route.wants_logprobs():
                 raise APIError(HTTPStatus.BAD_REQUEST, "logprobs cannot be combined with output guardrails (they "
@@ -112,9 +118,14 @@ class Gateway:
                 raw = await self.store.get(plan.key)
                 self.metrics.cache_lookup.labels("result").observe(time.perf_counter() - started)
                 entry = decode_entry(raw) if raw is not None else None
-                self.metrics.cache_requests.labels("result", "hit" if entry else "miss").inc()
+                kind = "hit"
+                if entry is None and self.flights is not None:  # the same request may be running now
+                    entry, kind = await self.flights.follow(plan.key), "coalesced"
+                    if entry is None:
+                        plan.flight = self.flights.lead(plan.key, request.scope)
+                self.metrics.cache_requests.labels("result", kind if entry else "miss").inc()
                 if entry is not None:
-                    plan.hit, plan.hit_kind = entry, "hit"
+                    plan.hit, plan.hit_kind = entry, kind
                     self.metrics.cache_tokens_saved.labels("result").inc(entry["usage"]["total_tokens"])
                     return plan
         if getattr(body, "titan_semantic_cache", False) and not opted_out:
@@ -147,7 +158,9 @@ class RequestPlan:
     gateway: Gateway
     tenant: Tenant | None
     input_flags: list[str]
+    quota: RequestQuota | None = None  # the tenant's buckets (in-process or in Redis) for the token charge
     key: str | None = None  # the result cache's key; None: not cacheable
+    flight: Flight | None = None  # the identical requests waiting for this one's response
     semantic_key: Any = None  # the semantic cache's scope and query embedding
     hit: dict[str, Any] | None = None  # the stored {"choices", "usage"} on a hit
     hit_kind: str = ""
@@ -202,24 +215,37 @@ class RequestPlan:
 
     # ---- completion ----------------------------------------------------------------------------
     def charge(self, usage: dict[str, int]) -> None:
+        """From code that cannot wait: the quota charge runs as a task (a no-op once charged)."""
+        if self.count(usage) and self.quota is not None:
+            self.quota.charge_later(usage["total_tokens"])
+
+    async def settle(self, usage: dict[str, int]) -> None:
+        """Charge the tenant before the response ends, so its next request (on any replica) sees it."""
+        if self.count(usage) and self.quota is not None:
+            await self.quota.charge(usage["total_tokens"])
+
+    def count(self, usage: dict[str, int]) -> bool:
+        """Count the tokens in the tenant's metrics, once; True when they still have to be charged."""
         if self.charged or self.tenant is None:
-            return
+            return False
         self.charged = True
-        self.tenant.charge_tokens(usage["total_tokens"])
         metrics = self.gateway.metrics
         metrics.tenant_tokens.labels(self.tenant.label, "prompt").inc(usage["prompt_tokens"])
         metrics.tenant_tokens.labels(self.tenant.label, "completion").inc(usage["completion_tokens"])
+        return True
 
     async def finish(self, choices: list[dict[str, Any]], usage: dict[str, int], complete: bool) -> None:
         """Charge the tenant; store a complete response (every choice ended by stop, length or a filter)."""
-        self.charge(usage)
+        await self.settle(usage)
         if not complete or self.hit is not None:
             return
         reasons = {choice.get("finish_reason") for choice in choices}
         if "abort" in reasons or None in reasons:
-            return
+            return  # its waiters, if any, compute on their own once the request has ended (FlightRelease)
         stored = [{k: v for k, v in choice.items() if k not in ("titan_timeline", "titan_degraded")}
                   for choice in choices]
+        if self.flight is not None and self.gateway.flights is not None:
+            self.gateway.flights.land(self.flight, {"choices": stored, "usage": usage})
         if self.key is not None and self.gateway.store is not None:
             await self.gateway.store.set(self.key, encode_entry(stored, usage), self.gateway.ttl_seconds)
         if self.semantic_key is not None and self.gateway.semantic is not None:

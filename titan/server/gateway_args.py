@@ -17,11 +17,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--result-cache-memory", type=int, default=64 * 1024 * 1024,
                        help="bytes of responses the in-process result cache keeps (LRU)")
     group.add_argument("--result-cache-ttl", type=float, default=300.0, help="seconds a cached response lives")
+    group.add_argument("--result-cache-coalesce", type=int, default=16,
+                       help="identical cacheable requests that may wait for one already running instead of "
+                            "computing it again (0: off)")
     group.add_argument("--result-cache-shared", action="store_true",
                        help="share cached responses across tenants (default: each tenant has its own)")
     group.add_argument("--cache-url", default=None,
-                       help="redis://HOST:PORT/DB: keep both caches in Redis, shared by replicas; bound its memory "
-                            "with Redis's maxmemory (allkeys-lru)")
+                       help="redis://HOST:PORT/DB: keep both caches, and the tenants' token buckets, in Redis, "
+                            "shared by replicas; bound its memory with Redis's maxmemory (allkeys-lru)")
     group.add_argument("--cache-timeout-ms", type=float, default=250.0,
                        help="a Redis operation slower than this counts as a failure (the request goes on uncached)")
     group.add_argument("--semantic-cache", action="store_true",

@@ -25,13 +25,16 @@ class GatewayMetrics:
                                       "Requests refused with 429 by a tenant limit, by code.", ["tenant", "code"],
                                       registry=r)
         self.cache_requests = Counter(PREFIX + "cache_requests_total",
-                                      "Result and semantic cache lookups, by cache and result (hit, miss, error).",
+                                      "Cache lookups, by cache and result (hit, coalesced, miss, skip).",
                                       ["cache", "result"], registry=r)
         self.cache_tokens_saved = Counter(PREFIX + "cache_tokens_saved_total",
                                           "Engine tokens (prompt + completion) not computed thanks to a hit.",
                                           ["cache"], registry=r)
         self.cache_lookup = Histogram(PREFIX + "cache_lookup_seconds", "Time of one cache lookup.", ["cache"],
                                       buckets=LOOKUP_BUCKETS, registry=r)
+        self.cache_coalesce_waiting = Gauge(PREFIX + "cache_coalesce_waiting",
+                                            "Requests waiting for an identical request in flight to finish.",
+                                            registry=r)
         self.cache_backend_up = Gauge(PREFIX + "cache_backend_up",
                                       "1 while the cache backend answers, 0 while the server runs without it.",
                                       ["backend", "cache"], registry=r)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 
 from titan.server.cache_store import CacheStore, MemoryStore, RedisStore
+from titan.server.coalesce import Flights
 from titan.server.gateway import Gateway
 from titan.server.gateway_metrics import GatewayMetrics
 from titan.server.guardrails import GuardrailsConfigError, load_guardrails
+from titan.server.tenant_quota import Quota, RedisQuota
 from titan.server.tenants import TenantRegistry, TenantsFileError, load_tenants
 
 
@@ -29,6 +31,8 @@ def build_gateway(args: argparse.Namespace) -> tuple[Gateway | None, TenantRegis
                  "max_tenant_labels"):
         if getattr(args, name) <= 0:
             raise GatewaySetupError(f"--{name.replace('_', '-')} must be positive")
+    if args.result_cache_coalesce < 0:
+        raise GatewaySetupError("--result-cache-coalesce must be 0 (off) or positive")
     if not 0.0 < args.semantic_cache_threshold <= 1.0:
         raise GatewaySetupError("--semantic-cache-threshold must be in (0, 1]")
     if args.cache_url and not args.cache_url.startswith(("redis://", "rediss://", "unix://")):
@@ -47,6 +51,7 @@ def build_gateway(args: argparse.Namespace) -> tuple[Gateway | None, TenantRegis
         return MemoryStore(args.result_cache_memory)
 
     store = new_store("result") if args.result_cache else None
+    flights = Flights(args.result_cache_coalesce, metrics.cache_coalesce_waiting) if store is not None else None
     semantic = None
     if args.semantic_cache:
         from titan.server.semantic_cache import SemanticCache  # loads the embedding model's libraries
@@ -55,5 +60,9 @@ def build_gateway(args: argparse.Namespace) -> tuple[Gateway | None, TenantRegis
                                  args.semantic_cache_entries, args.result_cache_ttl, redis_url=args.cache_url)
     if tenants is None and store is None and guardrails is None and semantic is None:
         return None, None  # nothing on: requests take the plain path
-    gateway = Gateway(metrics, store, args.result_cache_ttl, args.result_cache_shared, guardrails, semantic)
+    quota: Quota | None = None
+    if tenants is not None and args.cache_url:  # every replica draws on the same buckets
+        quota = RedisQuota(args.cache_url, metrics, timeout_seconds=args.cache_timeout_ms / 1000)
+    gateway = Gateway(metrics, store, args.result_cache_ttl, args.result_cache_shared, guardrails, semantic, quota,
+                      flights)
     return gateway, tenants

@@ -11,7 +11,8 @@ output:
 ```
 
 Filters: `email`, `phone` (validated by `phonenumbers`, `region` for numbers without +), `card_number`
-(Luhn), `iban` (ISO 13616 mod 97), `api_key` (common provider key shapes and private-key headers),
+(Luhn), `iban` (ISO 13616 mod 97), `api_key` (the key shapes of detect-secrets' provider detectors, e.g.
+AWS, GitHub, GitLab, Slack, Stripe, Twilio, private keys, and a few it lacks: secret_patterns.py),
 `prompt_injection` (phrases that try to override the instructions), `blocklist` (`words`). Actions:
 `block` (input: 400 `content_filter`; output: the text stops before the match, finish_reason
 `content_filter`), `redact` (output only: the match leaves the server as `[REDACTED:filter]`; the engine
@@ -73,14 +74,6 @@ def _always(_: str) -> bool:
     return True
 
 
-API_KEY_PATTERNS = (
-    r"sk-[A-Za-z0-9_-]{20,}",  # OpenAI-style secret keys
-    r"AKIA[0-9A-Z]{16}",  # AWS access key ids
-    r"gh[pousr]_[A-Za-z0-9]{36}",  # GitHub tokens
-    r"xox[baprs]-[A-Za-z0-9-]{10,}",  # Slack tokens
-    r"AIza[0-9A-Za-z_-]{35}",  # Google API keys
-    r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
-)
 INJECTION_PATTERNS = (
     r"(?:ignore|disregard|forget) (?:all |any |the |your )*(?:previous|prior|above|earlier|system) "
     r"(?:instructions|prompts?|rules|messages)",
@@ -117,7 +110,7 @@ def build_rule(entry: dict[str, Any], stage: str) -> Rule:
     elif kind == "iban":
         pattern, check, flags = r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", iban_valid, 0
     elif kind == "api_key":
-        pattern, check, flags = "|".join(f"(?:{p})" for p in API_KEY_PATTERNS), _always, 0
+        pattern, check, flags = api_key_pattern(entry), _always, 0
     elif kind == "prompt_injection":
         pattern, check = "|".join(f"(?:{p})" for p in INJECTION_PATTERNS), _always
     elif kind == "blocklist":
@@ -128,6 +121,19 @@ def build_rule(entry: dict[str, Any], stage: str) -> Rule:
     else:
         raise GuardrailsConfigError(f"{stage}: unknown filter {kind!r}")
     return Rule(str(entry.get("name", kind)), regex.compile(pattern, flags), check, action)
+
+
+def api_key_pattern(entry: dict[str, Any]) -> str:
+    """detect-secrets' provider detectors (all Titan uses, or the entry's `detectors` list) and Titan's few."""
+    from titan.server.secret_patterns import UnknownDetector, secret_pattern  # imports detect-secrets
+
+    names = entry.get("detectors")
+    if names is not None and (not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)):
+        raise GuardrailsConfigError("filter api_key: detectors must be a non-empty list of detector names")
+    try:
+        return secret_pattern(names)
+    except UnknownDetector as error:
+        raise GuardrailsConfigError(f"filter api_key: {error}") from error
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,14 @@ class Match:
     rule: Rule
 
 
+def growing(rule: Rule, text: str, start: int, end: int) -> int | None:
+    """The first position in [start, end] where the rest of `text` is a match still forming (or complete).
+
+    `regex` prefers a complete match to a partial one that starts earlier (a key's BEGIN line found whole
+    while the longer block pattern, from the dashes before it, is still forming): so look before it too."""
+    return next((q for q in range(start, end + 1) if rule.pattern.fullmatch(text, q, partial=True)), None)
+
+
 def scan(rules: tuple[Rule, ...], text: str, final: bool) -> tuple[list[Match], int]:
     """Complete matches in `text`, and where text must be held back from (len(text): nothing held)."""
     hold = len(text)
@@ -170,8 +184,10 @@ def scan(rules: tuple[Rule, ...], text: str, final: bool) -> tuple[list[Match], 
             if match is None:
                 break
             # The text from here to the end may still grow into a (longer, or valid) match: wait for more.
-            if not final and (match.partial or rule.pattern.fullmatch(text, match.start(), partial=True)):
-                hold = min(hold, match.start())
+            forming = match.start() if match.partial else None if final else growing(rule, text, position,
+                                                                                     match.start())
+            if forming is not None:
+                hold = min(hold, forming)
                 break
             if match.end() > match.start() and rule.validate(match.group()):
                 found.append(Match(match.start(), match.end(), rule))

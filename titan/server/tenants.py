@@ -4,11 +4,13 @@ The YAML file lists keys (`key`, or `key_sha256` so the file need not hold the s
 name and optional limits. Only SHA-256 digests are kept in memory. The ASGI gate authenticates every
 protected route, refuses with 429 and OpenAI's `x-ratelimit-*` headers when a request or token bucket
 is empty or `max_concurrent` requests are already running, and puts the tenant on the scope for the
-handlers (model allow-list, priority class, token charges).
+handlers (model allow-list, priority class, token charges). The buckets live where the `Quota` says
+(tenant_quota.py): in this process, or in Redis shared by every replica; `max_concurrent` is per replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -24,8 +26,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titan.server.errors import APIError, error_body
 from titan.server.gateway_metrics import GatewayMetrics
+from titan.server.tenant_quota import KINDS, Admission, BucketView, MemoryQuota, Quota, Refusal
 
 SCOPE_KEY = "titan.tenant"
+QUOTA_KEY = "titan.tenant_quota"
 PRIORITY_CLASSES = ("interactive", "batch")
 _FIELDS = {"key", "key_sha256", "tenant", "models", "priority", "requests_per_minute", "tokens_per_minute",
            "max_concurrent"}
@@ -128,6 +132,10 @@ class TokenBucket:
         self._refill()
         return max(0, math.floor(self.level))
 
+    def level_now(self) -> float:
+        self._refill()
+        return self.level
+
     def seconds_until(self, level: float) -> float:
         self._refill()
         return max(0.0, (level - self.level) / self.rate)
@@ -169,17 +177,6 @@ class Tenant:
         if self.tokens is not None:
             self.tokens.charge(count)
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        out: list[tuple[bytes, bytes]] = []
-        for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
-            if bucket is None:
-                continue
-            out += [(f"x-ratelimit-limit-{kind}".encode(), str(bucket.capacity).encode()),
-                    (f"x-ratelimit-remaining-{kind}".encode(), str(bucket.remaining()).encode()),
-                    (f"x-ratelimit-reset-{kind}".encode(), duration(bucket.seconds_until(bucket.capacity)).encode())]
-        return out
-
-
 @dataclass
 class TenantRegistry:
     specs: list[TenantSpec]
@@ -201,20 +198,62 @@ class TenantRegistry:
         return self.by_digest.get(key_digest(key))
 
 
+def rate_headers(views: dict[str, BucketView]) -> list[tuple[bytes, bytes]]:
+    """OpenAI's x-ratelimit-* triples for the buckets the tenant has, as the request saw them."""
+    out: list[tuple[bytes, bytes]] = []
+    for kind in KINDS:
+        view = views.get(kind)
+        if view is None:
+            continue
+        out += [(f"x-ratelimit-limit-{kind}".encode(), str(view.capacity).encode()),
+                (f"x-ratelimit-remaining-{kind}".encode(), str(view.remaining()).encode()),
+                (f"x-ratelimit-reset-{kind}".encode(), duration(view.seconds_until(view.capacity)).encode())]
+    return out
+
+
+@dataclass
+class RequestQuota:
+    """One admitted request's tenant and quota: its token charge, and the bucket levels its headers report."""
+
+    tenant: Tenant
+    quota: Quota
+    views: dict[str, BucketView]
+    pending: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def charge(self, amount: int) -> None:
+        self.views = self.views | await self.quota.charge(self.tenant, amount)
+
+    def charge_later(self, amount: int) -> None:
+        """From code that cannot wait (a stream's cleanup, a cache replay): the charge runs as a task."""
+        if "tokens" in self.views:  # shown in this request's headers at once; stored when the task runs
+            self.views = self.views | {"tokens": self.views["tokens"].taken(amount)}
+        task = asyncio.get_running_loop().create_task(self.charge(amount))
+        self.pending.add(task)  # at most one per request: bounded by the requests in flight
+        task.add_done_callback(self.pending.discard)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return rate_headers(self.views)
+
+
 def tenant_of(scope: Scope) -> Tenant | None:
     return scope.get("state", {}).get(SCOPE_KEY)
+
+
+def quota_of(scope: Scope) -> RequestQuota | None:
+    return scope.get("state", {}).get(QUOTA_KEY)
 
 
 class TenantGate:
     """401 without a known key on the protected routes; 429 with OpenAI's headers when over a limit."""
 
     def __init__(self, app: ASGIApp, registry: TenantRegistry, protect_metrics: bool = False,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, quota: Quota | None = None) -> None:
         self.app = app
         self.registry = registry
         protected = ("/v1", "/debug", "/tokenize", "/detokenize")
         self.prefixes = (*protected, "/metrics") if protect_metrics else protected
         self.metrics = metrics
+        self.quota: Quota = quota if quota is not None else MemoryQuota()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(self.prefixes) or scope["method"] == "OPTIONS":
@@ -227,21 +266,32 @@ class TenantGate:
             await respond(send, HTTPStatus.UNAUTHORIZED, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")])
             return
         generation = scope["method"] == "POST" and scope["path"].startswith("/v1/")
-        refused = self.refusal(tenant, generation)
-        if refused is not None:
-            code, message, wait = refused
+        spec = tenant.spec
+        # max_concurrent counts this replica's requests (it guards this replica's batch slots): no round trip.
+        if generation and spec.max_concurrent is not None and tenant.in_flight >= spec.max_concurrent:
+            refusal: Refusal | None = (
+                "concurrency_limit_exceeded", f"Tenant {tenant.name} already has {tenant.in_flight} requests "
+                f"running (max_concurrent {spec.max_concurrent}).", 1.0)
+            admission = Admission(refusal, self.quota.last_views(tenant))
+        else:
+            admission = await self.quota.admit(tenant, generation)
+            refusal = admission.refusal
+        if refusal is not None:
+            code, message, wait = refusal
             if self.metrics is not None:
                 self.metrics.tenant_limited.labels(tenant.label, code).inc()
-            headers = [*tenant.headers(), (b"retry-after", str(max(1, math.ceil(wait))).encode())]
+            headers = [*rate_headers(admission.views), (b"retry-after", str(max(1, math.ceil(wait))).encode())]
             await respond(send, HTTPStatus.TOO_MANY_REQUESTS, message, code, headers)
             return
-        scope.setdefault("state", {})[SCOPE_KEY] = tenant
+        request_quota = RequestQuota(tenant, self.quota, admission.views)
+        state = scope.setdefault("state", {})
+        state[SCOPE_KEY], state[QUOTA_KEY] = tenant, request_quota
         if self.metrics is not None:
             self.metrics.tenant_requests.labels(tenant.label).inc()
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *tenant.headers()]}
+                message = {**message, "headers": [*message.get("headers", []), *request_quota.headers()]}
             await send(message)
 
         if generation:
@@ -251,21 +301,6 @@ class TenantGate:
         finally:
             if generation:
                 tenant.in_flight -= 1
-
-    def refusal(self, tenant: Tenant, generation: bool) -> tuple[str, str, float] | None:
-        """(code, message, seconds to wait) when the request may not run now; None: it may (and is counted)."""
-        spec = tenant.spec
-        if generation and spec.max_concurrent is not None and tenant.in_flight >= spec.max_concurrent:
-            return ("concurrency_limit_exceeded",
-                    f"Tenant {tenant.name} already has {tenant.in_flight} requests running (max_concurrent "
-                    f"{spec.max_concurrent}).", 1.0)
-        if generation and tenant.tokens is not None and not tenant.tokens.has_any():
-            return ("rate_limit_exceeded", f"Rate limit reached for tenant {tenant.name} on tokens per minute "
-                    f"(limit {spec.tokens_per_minute}).", tenant.tokens.seconds_until(1.0))
-        if tenant.requests is not None and not tenant.requests.try_take():
-            return ("rate_limit_exceeded", f"Rate limit reached for tenant {tenant.name} on requests per minute "
-                    f"(limit {spec.requests_per_minute}).", tenant.requests.seconds_until(1.0))
-        return None
 
 
 async def respond(send: Send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]) -> None:
