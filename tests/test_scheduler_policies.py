@@ -12,6 +12,7 @@ import pytest
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.prefill_budget import QueuedPrefill, ttft_met
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -363,6 +364,25 @@ def test_slo_policy_keeps_the_cap_when_widening_saves_fewer_than_it_breaks() -> 
         seq.itl_excursions = 1
     budget = step(scheduler).budget
     assert (budget.reason, budget.ttft_met, budget.itl_cost) == ("goodput", 1, 0)
+
+
+def test_slo_policy_widens_for_a_backlog_already_past_its_ttft() -> None:
+    """The same 20 prompts, but queued 12 s ago, past their 10 s target: each is judged against the next
+    multiple, 20 s after arrival, 8 s from now. Capped, 9 make it; at the excursion bound 16 do."""
+    scheduler = budget_scheduler(ttft_target_ms=10_000)
+    with_two_decodes(scheduler)
+    for seq in queue_now(scheduler, 20, 40):
+        seq.arrival_time -= 12.0
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("goodput", 9, 16)
+
+
+def test_ttft_met_counts_a_late_request_against_the_next_multiple_of_the_target() -> None:
+    queue = [QueuedPrefill(100, waited_seconds=0.5), QueuedPrefill(100, waited_seconds=1.5)]
+    # Target 1 s; the second is late already, so its deadline is 2 s. With 100 tokens per 0.4 s step the first
+    # is done at 0.9 s, the second at 2.3 s: one met. With 0.2 s steps, at 0.7 s and 1.9 s: both.
+    assert ttft_met(queue, 100, 0.4, 1.0) == 1
+    assert ttft_met(queue, 100, 0.2, 1.0) == 2
 
 
 def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:

@@ -11,9 +11,12 @@ queued:
   spends the whole remaining token budget if that is below X·T. A candidate t allows b(t) prefill tokens per
   step: the largest chunk that keeps the predicted step (decodes + chunk) within t.
 * Met(t): the queued prefills (running prompts still prefilling, then the waiting ones, in the policy's
-  order) predicted to get their first token within τ of arrival if every step from now on computed b(t) of
+  order) predicted to get their first token by their deadline if every step from now on computed b(t) of
   them: request i finishes in step ⌈(tokens of i and of those ahead of it) / b(t)⌉, each step taking the
-  predicted duration of decodes + b(t).
+  predicted duration of decodes + b(t). The deadline is τ after arrival; for a request that has already
+  waited w > τ it is the next multiple of τ, ⌊w/τ⌋·τ + τ, so under a backlog no budget clears in time the
+  rule still prefers the budget that gets more first tokens out sooner (plain deadlines would all be
+  missed whatever the budget, leaving the cap to starve the queue).
 * Cost(t): 0 for t = T; otherwise the decodes in this step that have not yet had a gap over their ITL
   target (a request with one such gap already misses its ITL target, so another costs no goodput).
 * The step uses the smallest t maximizing Met(t) − Cost(t): wider only when it saves strictly more first
@@ -73,13 +76,15 @@ def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, 
 
 
 def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float, ttft_target: float) -> int:
-    """Queued prefills (in service order) predicted to reach their first token within the target."""
+    """Queued prefills (in service order) predicted to reach their first token by their deadline: the target
+    after arrival, or for one already past it the next multiple of the target."""
     if tokens_per_step <= 0:
         return 0
     met, ahead = 0, 0
     for item in queue:
         ahead += item.remaining_tokens
-        if item.waited_seconds + math.ceil(ahead / tokens_per_step) * step_seconds <= ttft_target:
+        deadline = (math.floor(max(item.waited_seconds, 0.0) / ttft_target) + 1) * ttft_target
+        if item.waited_seconds + math.ceil(ahead / tokens_per_step) * step_seconds <= deadline:
             met += 1
     return met
 
