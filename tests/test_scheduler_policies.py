@@ -12,7 +12,7 @@ import pytest
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape
-from titan.engine.prefill_budget import QueuedPrefill, ttft_met
+from titan.engine.prefill_budget import QueuedPrefill, ttft_met, ttft_target_seconds
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -378,11 +378,11 @@ def test_slo_policy_widens_for_a_backlog_already_past_its_ttft() -> None:
 
 
 def test_ttft_met_counts_a_late_request_against_the_next_multiple_of_the_target() -> None:
-    queue = [QueuedPrefill(100, waited_seconds=0.5), QueuedPrefill(100, waited_seconds=1.5)]
+    queue = [QueuedPrefill(100, waited_seconds=0.5, ttft_target=1.0), QueuedPrefill(100, 1.5, ttft_target=1.0)]
     # Target 1 s; the second is late already, so its deadline is 2 s. With 100 tokens per 0.4 s step the first
     # is done at 0.9 s, the second at 2.3 s: one met. With 0.2 s steps, at 0.7 s and 1.9 s: both.
-    assert ttft_met(queue, 100, 0.4, 1.0) == 1
-    assert ttft_met(queue, 100, 0.2, 1.0) == 2
+    assert ttft_met(queue, 100, 0.4) == 1
+    assert ttft_met(queue, 100, 0.2) == 2
 
 
 def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:
@@ -408,3 +408,11 @@ def test_scheduler_config_checks_the_goodput_options() -> None:
         SchedulerConfig(policy="slo", ttft_target_ms="soon")
     with pytest.raises(ValueError, match="max_itl_excursion"):
         SchedulerConfig(policy="slo", max_itl_excursion=0.5)
+
+
+def test_auto_ttft_target_follows_the_prompt_length() -> None:
+    """auto: AUTO_TTFT_FACTOR (3) x the prompt's predicted prefill alone; 0.1 s + 0.01 s per token."""
+    model = fixed_cost_model(0.1, 0.01)
+    assert ttft_target_seconds("auto", model, 100, 3.0) == pytest.approx(3.3)
+    assert ttft_target_seconds("auto", model, 400, 3.0) == pytest.approx(12.3)
+    assert ttft_target_seconds(500.0, model, 400, 3.0) == 0.5

@@ -132,9 +132,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 # machine, the model, its kernels and the batch width.
 DEFAULT_SLO_ITL_MS = "auto"
 AUTO_ITL_FACTOR = 2.0
-# The slo policy's TTFT target when none is given: this many full-budget prefill steps (predicted), so it
-# also follows the machine and the model.
-AUTO_TTFT_FACTOR = 4.0
+# The slo policy's TTFT target when none is given: this many times the request's whole prompt's predicted
+# prefill alone, so it follows the machine, the model and the prompt's length.
+AUTO_TTFT_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class SchedulerConfig:
                                         "tokens")
     ttft_target_ms: float | str = option(
         "auto", "the slo policy's time-to-first-token target in ms for its goodput rule, or auto: "
-                f"{AUTO_TTFT_FACTOR:g}x the predicted duration of a full-budget prefill step", parse=number_or_auto)
+                f"{AUTO_TTFT_FACTOR:g}x the predicted prefill of the request's prompt alone", parse=number_or_auto)
     max_itl_excursion: float = option(
         4.0, "under a backlog the slo policy may let a step run to this many times its ITL target when that "
              "lets more queued requests meet their TTFT target (1: never)")

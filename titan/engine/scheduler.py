@@ -219,12 +219,12 @@ class Scheduler:
             step.output.budget = BudgetDecision(NO_DECODES, None, None, None, None)
             return
         queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._prefill_key(seq, now))
-        queued = [QueuedPrefill(seq.num_tokens - seq.num_computed_tokens, now - seq.arrival_time) for seq in queue]
-        ttft_target = ttft_target_seconds(config.ttft_target_ms, model, config.max_num_batched_tokens,
-                                          AUTO_TTFT_FACTOR)
+        queued = [QueuedPrefill(seq.num_tokens - seq.num_computed_tokens, now - seq.arrival_time,
+                                ttft_target_seconds(config.ttft_target_ms, model, seq.num_tokens, AUTO_TTFT_FACTOR))
+                  for seq in queue]
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
-        decision = choose_budget(model, step.decode_shape, step.budget, itl_target, ttft_target, queued, fresh,
+        decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion)
         if decision.itl_cost:
             for seq in in_step:
