@@ -8,7 +8,7 @@ The fit is robust both ways. Once fitted, a step more than OUTLIER_RATIO x off i
 fluke) is learned only up to that ratio. And when the median of the last `min_observations` steps'
 measured/predicted ratios is off by more than STALE_RATIO, the fit is stale or was poisoned (an offline
 LLM runs no warm-up, so its first, cold prefill can be 100x the next steps and the first fit explains it
-with a huge attention cost) and is rebuilt from those recent steps alone.
+with a huge attention cost) and is rebuilt from those recent steps, the old fit kept as a weak prior.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from titan.engine.scheduler_output import ScheduledSequence
 
 OUTLIER_RATIO = 2.0
 STALE_RATIO = 1.5
+HISTORY_KEPT = 0.01  # weight left on the old observations when the fit is rebuilt from recent steps
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,20 @@ class StepCostModel:
             self.weights = self._solve_non_negative()
 
     def _refit_from_recent(self) -> None:
-        """Forget everything but the recent steps, which disagreed with the fit the same way."""
-        self.gram, self.moment = np.zeros((4, 4)), np.zeros(4)
+        """Rebuild the fit from the recent steps, which disagreed with it the same way. The old fit stays as a
+        weak prior (HISTORY_KEPT of the recent steps' weight, pulling towards its own predictions, not its raw
+        data), so what the recent steps did not exercise, such as a window of decodes saying nothing of a
+        prefill's per-token cost, is still known from before, and no old outlier outweighs them."""
+        gram, moment = np.zeros((4, 4)), np.zeros(4)
         for x, seconds in self.recent:
-            self.gram = self.forgetting * self.gram + np.outer(x, x)
-            self.moment = self.forgetting * self.moment + seconds * x
+            gram = self.forgetting * gram + np.outer(x, x)
+            moment = self.forgetting * moment + seconds * x
+        if self.weights is not None and self.gram[0, 0] > 0:
+            # gram[0, 0] sums the (forgotten) weights of the observations: the prior weighs as much as
+            # HISTORY_KEPT x the recent window's count of them.
+            prior = HISTORY_KEPT * gram[0, 0] / self.gram[0, 0] * self.gram
+            gram, moment = gram + prior, moment + prior @ self.weights
+        self.gram, self.moment = gram, moment
         self.num_observations = len(self.recent)
         self.ratios.clear()
         self.num_resets += 1
