@@ -415,6 +415,19 @@ def test_ttft_met_counts_a_late_request_against_the_next_multiple_of_the_target(
     assert ttft_met(queue, 100, 0.2) == 2
 
 
+def test_slo_policy_widens_for_free_when_every_decode_already_missed_its_itl() -> None:
+    """Nothing to save (the 20 s target is met either way), but the two decodes already had a gap over their
+    target: widening costs no goodput, so the step takes the excursion bound and drains the queue sooner."""
+    scheduler = budget_scheduler(ttft_target_ms=20_000)
+    decoders = with_two_decodes(scheduler)
+    queue_now(scheduler, 4, 40)
+    assert step(scheduler).budget.reason == "itl_cap"  # fresh decodes: no reason to break their gaps
+    for seq in decoders:
+        seq.itl_excursions = 1
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.step_target_ms, budget.itl_cost) == ("goodput", pytest.approx(960.0), 0)
+
+
 def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:
     scheduler = budget_scheduler(ttft_target_ms=10_000, max_itl_excursion=1.0)
     with_two_decodes(scheduler)

@@ -22,7 +22,9 @@ queued:
 * Cost(t): 0 for t = T; otherwise the decodes in this step that have not yet had a gap over their ITL
   target (a request with one such gap already misses its ITL target, so another costs no goodput).
 * The step uses the smallest t maximizing Met(t) − Cost(t): wider only when it saves strictly more first
-  tokens than it breaks token gaps, and never past X·T.
+  tokens than it breaks token gaps, and never past X·T. When widening costs nothing (every decode in the
+  step already had a gap over its target) it takes the widest t that saves no fewer: throughput for the
+  requests still to come.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
         if tokens <= best.prefill_tokens:
             continue
         met = met_within(tokens)
-        if met - fresh_decodes > best.ttft_met - best.itl_cost:
+        # Free widening (every decode already missed its ITL target) that saves no fewer first tokens drains
+        # the queue faster for the requests still to come: take it.
+        if met - fresh_decodes > best.ttft_met - best.itl_cost or (fresh_decodes == 0 and met >= best.ttft_met):
             best = BudgetDecision(GOODPUT, target * ms, itl_target * ms, base.ttft_target_ms, tokens, len(queue),
                                   met_capped, met, fresh_decodes)
     return best
