@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import asdict
 
 import numpy as np
+import pytest
 
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.prefill_budget import QueuedPrefill, ttft_met, ttft_target_seconds
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from titan.engine.sequence import Sequence, SequenceStatus
+from titan.engine.step_observer import StepRecord
 
 
 def fixed_cost_model(per_step: float, per_token: float, per_sequence: float = 0.0) -> StepCostModel:
@@ -261,3 +265,197 @@ def test_cost_model_learns_a_stall_only_partly() -> None:
         model.observe(shape, 0.1)
     model.observe(shape, 5.0)  # a GC pause or a noisy neighbour
     assert model.predict(shape) < 0.2
+
+
+def test_cost_model_learns_a_fast_fluke_only_partly() -> None:
+    model = StepCostModel()
+    shape = StepShape(32, 32, 6400.0)
+    for _ in range(20):
+        model.observe(shape, 0.1)
+    model.observe(shape, 0.001)  # a step timed wrong, or one that did no real work
+    assert model.predict(shape) > 0.08
+
+
+def test_cost_model_recovers_from_a_poisoning_cold_first_step() -> None:
+    """An offline LLM runs no warm-up: its first prefill (cold caches, kernel compilation) took 11 s. The fit
+    must not keep predicting up to 3x the decode steps that follow (it explains the 11 s by attention, which
+    the decodes of that 455-token context also do)."""
+
+    def truth(shape: StepShape) -> float:
+        return 0.02 + 0.003 * shape.num_tokens + 0.001 * shape.num_sequences
+
+    def decode_batch(size: int) -> StepShape:
+        shape = StepShape()
+        for _ in range(size):
+            shape = shape.plus(1, 460)
+        return shape
+
+    model = StepCostModel()
+    model.observe(StepShape().plus(455, 0), 11.0)
+    decodes = [decode_batch(size) for size in (1, 2, 3, 4)]
+    for count in range(6 * model.min_observations):  # it used to be still 7x off after 100
+        shape = decodes[count % len(decodes)]
+        model.observe(shape, truth(shape))
+    assert model.num_resets >= 1
+    for shape in decodes:
+        assert abs(model.predict(shape) - truth(shape)) < 0.2 * truth(shape)
+
+
+def test_cost_model_rebuilt_from_decodes_alone_still_prices_a_prefill() -> None:
+    """The machine slows down 2.5x while only two streams decode: the fit is rebuilt from those steps, which
+    say nothing of the per-token cost of a prefill. That must stay known from before (a 512-token step must
+    not suddenly look as cheap as a decode), not collapse onto the decodes' intercept."""
+
+    def truth(shape: StepShape, slowdown: float = 1.0) -> float:
+        return slowdown * (0.02 + 0.004 * shape.num_tokens + 0.002 * shape.num_sequences)
+
+    def decode_batch(size: int, context: int = 300) -> StepShape:
+        shape = StepShape()
+        for _ in range(size):
+            shape = shape.plus(1, context)
+        return shape
+
+    model = StepCostModel()
+    rng = np.random.default_rng(0)
+    for count in range(200):
+        shape = decode_batch(int(rng.integers(1, 8)))
+        if count % 5 == 0:
+            shape = shape.plus(int(rng.integers(16, 512)), 0)
+        model.observe(shape, truth(shape))
+    for count in range(40):
+        shape = decode_batch(2, 300 + count)
+        model.observe(shape, truth(shape, 2.5))
+    assert model.num_resets >= 1
+    assert abs(model.predict(decode_batch(2)) - truth(decode_batch(2), 2.5)) < 0.2 * truth(decode_batch(2), 2.5)
+    prefill = StepShape().plus(512, 0)
+    assert model.predict(prefill) > 0.8 * truth(prefill)  # at least the old cost, not the decodes'
+
+
+def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0) -> Scheduler:
+    """slo, auto ITL target, 0.1 s per step + 0.01 s per token: seconds-scale costs, so the few milliseconds a
+    test takes between queuing and scheduling never move a TTFT across its target."""
+    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, min_prefill_chunk=1,
+                             ttft_target_ms=ttft_target_ms, max_itl_excursion=max_itl_excursion)
+    return Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01))
+
+
+def with_two_decodes(scheduler: Scheduler) -> list[Sequence]:
+    """Two requests mid-stream: their decodes alone take 0.12 s, so the ITL target is 0.24 s and a capped
+    step holds 12 prefill tokens."""
+    decoders = [sequence(4, max_tokens=500) for _ in range(2)]
+    for seq in decoders:
+        scheduler.add(seq)
+    assert step(scheduler).budget.reason == "no_decodes"  # nobody was mid-stream yet
+    return decoders
+
+
+def queue_now(scheduler: Scheduler, count: int, length: int) -> list[Sequence]:
+    now = time.monotonic()
+    seqs = [sequence(length) for _ in range(count)]
+    for seq in seqs:
+        seq.arrival_time = now
+        scheduler.add(seq)
+    return seqs
+
+
+def test_slo_policy_widens_the_prefill_budget_when_a_backlog_would_miss_its_ttft() -> None:
+    """20 queued prompts of 40 tokens, TTFT target 10 s. Capped (12 tokens per 0.24 s step) the 12 first meet it;
+    at 4x the target (0.96 s, 84 tokens per step) all 20 do: 8 more first tokens on time against the 2 decodes
+    whose gap goes over, so the step widens to the excursion bound."""
+    scheduler = budget_scheduler(ttft_target_ms=10_000)
+    decoders = with_two_decodes(scheduler)
+    queue_now(scheduler, 20, 40)
+    output = step(scheduler)
+    budget = output.budget
+    assert budget.reason == "goodput"
+    assert (budget.itl_target_ms, budget.step_target_ms) == (pytest.approx(240.0), pytest.approx(960.0))
+    assert (budget.prefill_tokens, budget.ttft_met_capped, budget.ttft_met, budget.itl_cost) == (84, 12, 20, 2)
+    assert output.num_batched_tokens == 2 + 84
+    assert [seq.itl_excursions for seq in decoders] == [1, 1]
+    # The next step also decodes the two prompts finished in this one: only those count as its cost, the
+    # first two already missed their ITL target.
+    second = step(scheduler)
+    assert sum(s.is_decode for s in second.scheduled) == 4
+    assert (second.budget.reason, second.budget.itl_cost) == ("goodput", 2)
+
+
+def test_slo_policy_keeps_the_cap_when_widening_saves_fewer_than_it_breaks() -> None:
+    """One queued 300-token prompt (steady traffic): widening would get it within its 4 s TTFT target (6 s
+    capped, 3.84 s wide), but that is one request against two decodes' ITL: the step stays capped."""
+    scheduler = budget_scheduler(ttft_target_ms=4_000)
+    decoders = with_two_decodes(scheduler)
+    queue_now(scheduler, 1, 300)
+    output = step(scheduler)
+    assert output.budget.reason == "itl_cap" and output.budget.ttft_met_capped == 0
+    assert output.num_batched_tokens == 2 + 12
+    assert [seq.itl_excursions for seq in decoders] == [0, 0]
+    # Once both decodes have had a gap over the target, widening costs no goodput and saves the prompt.
+    for seq in decoders:
+        seq.itl_excursions = 1
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.ttft_met, budget.itl_cost) == ("goodput", 1, 0)
+
+
+def test_slo_policy_widens_for_a_backlog_already_past_its_ttft() -> None:
+    """The same 20 prompts, but queued 12 s ago, past their 10 s target: each is judged against the next
+    multiple, 20 s after arrival, 8 s from now. Capped, 9 make it; at the excursion bound 16 do."""
+    scheduler = budget_scheduler(ttft_target_ms=10_000)
+    with_two_decodes(scheduler)
+    for seq in queue_now(scheduler, 20, 40):
+        seq.arrival_time -= 12.0
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("goodput", 9, 16)
+
+
+def test_ttft_met_counts_a_late_request_against_the_next_multiple_of_the_target() -> None:
+    queue = [QueuedPrefill(100, waited_seconds=0.5, ttft_target=1.0), QueuedPrefill(100, 1.5, ttft_target=1.0)]
+    # Target 1 s; the second is late already, so its deadline is 2 s. With 100 tokens per 0.4 s step the first
+    # is done at 0.9 s, the second at 2.3 s: one met. With 0.2 s steps, at 0.7 s and 1.9 s: both.
+    assert ttft_met(queue, 100, 0.4) == 1
+    assert ttft_met(queue, 100, 0.2) == 2
+
+
+def test_slo_policy_widens_for_free_when_every_decode_already_missed_its_itl() -> None:
+    """Nothing to save (the 20 s target is met either way), but the two decodes already had a gap over their
+    target: widening costs no goodput, so the step takes the excursion bound and drains the queue sooner."""
+    scheduler = budget_scheduler(ttft_target_ms=20_000)
+    decoders = with_two_decodes(scheduler)
+    queue_now(scheduler, 4, 40)
+    assert step(scheduler).budget.reason == "itl_cap"  # fresh decodes: no reason to break their gaps
+    for seq in decoders:
+        seq.itl_excursions = 1
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.step_target_ms, budget.itl_cost) == ("goodput", pytest.approx(960.0), 0)
+
+
+def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:
+    scheduler = budget_scheduler(ttft_target_ms=10_000, max_itl_excursion=1.0)
+    with_two_decodes(scheduler)
+    queue_now(scheduler, 20, 40)
+    output = step(scheduler)
+    assert output.budget.reason == "itl_cap" and output.num_batched_tokens == 2 + 12
+
+
+def test_step_records_show_the_budget_decision() -> None:
+    scheduler = budget_scheduler(ttft_target_ms=10_000)
+    with_two_decodes(scheduler)
+    queue_now(scheduler, 20, 40)
+    output = step(scheduler)
+    record = asdict(StepRecord.of(output, RunnerOutput(), started=0.0, duration=0.9, predicted=0.96, gc_pause=0.0))
+    assert record["budget"]["reason"] == "goodput" and record["budget"]["prefill_tokens"] == 84
+    assert (record["predicted_duration"], record["duration"]) == (0.96, 0.9)
+
+
+def test_scheduler_config_checks_the_goodput_options() -> None:
+    with pytest.raises(ValueError, match="ttft_target_ms"):
+        SchedulerConfig(policy="slo", ttft_target_ms="soon")
+    with pytest.raises(ValueError, match="max_itl_excursion"):
+        SchedulerConfig(policy="slo", max_itl_excursion=0.5)
+
+
+def test_auto_ttft_target_follows_the_prompt_length() -> None:
+    """auto: AUTO_TTFT_FACTOR (3) x the prompt's predicted prefill alone; 0.1 s + 0.01 s per token."""
+    model = fixed_cost_model(0.1, 0.01)
+    assert ttft_target_seconds("auto", model, 100, 3.0) == pytest.approx(3.3)
+    assert ttft_target_seconds("auto", model, 400, 3.0) == pytest.approx(12.3)
+    assert ttft_target_seconds(500.0, model, 400, 3.0) == 0.5

@@ -132,6 +132,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 # machine, the model, its kernels and the batch width.
 DEFAULT_SLO_ITL_MS = "auto"
 AUTO_ITL_FACTOR = 2.0
+# The slo policy's TTFT target when none is given: this many times the request's whole prompt's predicted
+# prefill alone, so it follows the machine, the model and the prompt's length.
+AUTO_TTFT_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,9 @@ class SchedulerConfig:
     one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
     so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
-    prefill with the fewest tokens left goes first.
+    prefill with the fewest tokens left goes first. Under a backlog slo may widen a step's prefill budget
+    up to `max_itl_excursion` x that target when this lets more queued requests meet `ttft_target_ms` than
+    decodes lose their ITL target (titan.engine.prefill_budget states the rule).
     """
 
     max_num_batched_tokens: int = option(512, "token budget per step")
@@ -157,6 +162,12 @@ class SchedulerConfig:
               f"{AUTO_ITL_FACTOR:g}x the predicted duration of the step's decodes alone", parse=number_or_auto)
     min_prefill_chunk: int = option(16, "even under the slo cap, the first prefill of a step computes this many "
                                         "tokens")
+    ttft_target_ms: float | str = option(
+        "auto", "the slo policy's time-to-first-token target in ms for its goodput rule, or auto: "
+                f"{AUTO_TTFT_FACTOR:g}x the predicted prefill of the request's prompt alone", parse=number_or_auto)
+    max_itl_excursion: float = option(
+        4.0, "under a backlog the slo policy may let a step run to this many times its ITL target when that "
+             "lets more queued requests meet their TTFT target (1: never)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -175,6 +186,12 @@ class SchedulerConfig:
             object.__setattr__(self, "itl_slo_ms", DEFAULT_SLO_ITL_MS)
         if self.min_prefill_chunk <= 0:
             raise ValueError("min_prefill_chunk must be positive")
+        if isinstance(self.ttft_target_ms, str) and self.ttft_target_ms != "auto":
+            raise ValueError(f"ttft_target_ms must be a number of milliseconds or auto, not {self.ttft_target_ms!r}")
+        if isinstance(self.ttft_target_ms, int | float) and self.ttft_target_ms <= 0:
+            raise ValueError("ttft_target_ms must be positive")
+        if self.max_itl_excursion < 1.0:
+            raise ValueError("max_itl_excursion must be at least 1 (1: never exceed the ITL target)")
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,27 @@
 A step's time is close to linear in three quantities: tokens through the linear layers, sequences
 (per-sequence overhead: sampling, metadata) and attention work (query × key pairs). Exponentially
 weighted least squares keeps the fit current when the machine's speed drifts (other tenants, thermal).
+
+The fit is robust both ways. Once fitted, a step more than OUTLIER_RATIO x off its prediction (a stall, a
+fluke) is learned only up to that ratio. And when the median of the last `min_observations` steps'
+measured/predicted ratios is off by more than STALE_RATIO, the fit is stale or was poisoned (an offline
+LLM runs no warm-up, so its first, cold prefill can be 100x the next steps and the first fit explains it
+with a huge attention cost) and is rebuilt from those recent steps, the old fit kept as a weak prior.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from titan.config import AUTO_ITL_FACTOR
 from titan.engine.scheduler_output import ScheduledSequence
+
+OUTLIER_RATIO = 2.0
+STALE_RATIO = 1.5
+HISTORY_KEPT = 0.01  # weight left on the old observations when the fit is rebuilt from recent steps
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,9 @@ class StepCostModel:
         self.moment = np.zeros(4)
         self.num_observations = 0
         self.weights: np.ndarray | None = None
+        self.recent: deque[tuple[np.ndarray, float]] = deque(maxlen=min_observations)  # unclamped
+        self.ratios: deque[float] = deque(maxlen=min_observations)  # measured / predicted since the last refit
+        self.num_resets = 0
 
     @staticmethod
     def _features(shape: StepShape) -> np.ndarray:
@@ -49,14 +63,42 @@ class StepCostModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         x = self._features(shape)
+        self.recent.append((x, seconds))
         if self.weights is not None:
-            # A one-off stall (GC, another tenant) is not the cost of the work: learn it only partly.
-            seconds = min(seconds, 2.0 * max(self.predict(shape), 1e-4))
+            predicted = max(self.predict(shape), 1e-4)
+            self.ratios.append(seconds / predicted)
+            if len(self.ratios) == self.ratios.maxlen:
+                bias = float(np.median(self.ratios))
+                if not 1.0 / STALE_RATIO <= bias <= STALE_RATIO:
+                    self._refit_from_recent()
+                    return
+            # A one-off stall (GC, another tenant) or fluke is not the cost of the work: learn it only partly.
+            seconds = min(max(seconds, predicted / OUTLIER_RATIO), OUTLIER_RATIO * predicted)
         self.gram = self.forgetting * self.gram + np.outer(x, x)
         self.moment = self.forgetting * self.moment + seconds * x
         self.num_observations += 1
         if self.num_observations >= self.min_observations:
             self.weights = self._solve_non_negative()
+
+    def _refit_from_recent(self) -> None:
+        """Rebuild the fit from the recent steps, which disagreed with it the same way. The old fit stays as a
+        weak prior (HISTORY_KEPT of the recent steps' weight, pulling towards its own predictions, not its raw
+        data), so what the recent steps did not exercise, such as a window of decodes saying nothing of a
+        prefill's per-token cost, is still known from before, and no old outlier outweighs them."""
+        gram, moment = np.zeros((4, 4)), np.zeros(4)
+        for x, seconds in self.recent:
+            gram = self.forgetting * gram + np.outer(x, x)
+            moment = self.forgetting * moment + seconds * x
+        if self.weights is not None and self.gram[0, 0] > 0:
+            # gram[0, 0] sums the (forgotten) weights of the observations: the prior weighs as much as
+            # HISTORY_KEPT x the recent window's count of them.
+            prior = HISTORY_KEPT * gram[0, 0] / self.gram[0, 0] * self.gram
+            gram, moment = gram + prior, moment + prior @ self.weights
+        self.gram, self.moment = gram, moment
+        self.num_observations = len(self.recent)
+        self.ratios.clear()
+        self.num_resets += 1
+        self.weights = self._solve_non_negative()
 
     def _solve_non_negative(self) -> np.ndarray:
         """Least squares with every weight ≥ 0 (costs only grow with work): drop the most negative

@@ -12,9 +12,17 @@ import bisect
 import time
 from collections import deque
 
-from titan.config import SchedulerConfig
+from titan.config import AUTO_TTFT_FACTOR, SchedulerConfig
 from titan.engine.block_manager import BlockManager, cdiv
 from titan.engine.cost_model import StepCostModel, StepShape, step_target_seconds
+from titan.engine.prefill_budget import (
+    NO_DECODES,
+    NO_MODEL,
+    BudgetDecision,
+    QueuedPrefill,
+    choose_budget,
+    ttft_target_seconds,
+)
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence, SequenceStatus
 from titan.engine.spec.planner import SpeculationPlanner
@@ -40,6 +48,7 @@ class _StepBuilder:
         self.has_decode = False  # someone in this step is mid-stream, waiting for its next token
         self.deferred: set[int] = set()  # waiting sequences that wait for prefix blocks being computed
         self.decode_shape = StepShape()  # the running decodes alone (the auto step target follows them)
+        self.target: float | None = None  # slo: the predicted duration prefill chunks keep the step within
 
     def add(self, scheduled: ScheduledSequence) -> None:
         self.output.scheduled.append(scheduled)
@@ -144,6 +153,8 @@ class Scheduler:
         for seq in decodes:
             self._schedule_running(step, seq, drafts.get(seq.seq_id, 0))
         step.decode_shape = step.shape
+        if self.config.policy == "slo":
+            self._plan_budget(step, decodes, prefills + deferred, now)
         for seq in prefills:
             self._schedule_running(step, seq)
 
@@ -194,6 +205,33 @@ class Scheduler:
         if num_new > 0 and self._allocate_or_preempt(step, seq, num_new + len(drafts)):
             step.add(self._scheduled(seq, num_new, drafts))
 
+    def _plan_budget(self, step: _StepBuilder, decodes: list[Sequence], prefilling: list[Sequence],
+                     now: float) -> None:
+        """slo: this step's prefill budget (titan.engine.prefill_budget states the rule), as a bound on its
+        predicted duration that `_chunk` keeps every prefill chunk within."""
+        model = self.cost_model
+        config = self.config
+        if model is None or not model.ready:
+            step.output.budget = BudgetDecision(NO_MODEL, None, None, None, None)
+            return
+        itl_target = step_target_seconds(config.itl_slo_ms, model, step.decode_shape)
+        if not step.has_decode or itl_target is None:
+            step.output.budget = BudgetDecision(NO_DECODES, None, None, None, None)
+            return
+        queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._prefill_key(seq, now))
+        queued = [QueuedPrefill(seq.num_tokens - seq.num_computed_tokens, now - seq.arrival_time,
+                                ttft_target_seconds(config.ttft_target_ms, model, seq.num_tokens, AUTO_TTFT_FACTOR))
+                  for seq in queue]
+        in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
+        fresh = sum(seq.itl_excursions == 0 for seq in in_step)
+        decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
+                                 config.max_itl_excursion)
+        if decision.itl_cost:
+            for seq in in_step:
+                seq.itl_excursions += 1
+        step.output.budget = decision
+        step.target = decision.target_seconds
+
     def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
         """slo's prefill order: priority (aged), then the fewest tokens left to compute, so a short prompt's
         first token does not queue behind a long prompt's chunks; aging still lifts whoever waits long."""
@@ -201,16 +239,13 @@ class Scheduler:
                 seq.seq_id)
 
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
-        """Tokens to compute for `seq` this step: its remainder, within the budget and the ITL target."""
+        """Tokens to compute for `seq` this step: its remainder, within the budget and the step's target."""
         num_new = min(seq.num_tokens - start, step.budget)
         # Only a step that carries decodes has an inter-token latency to protect; one without any would
         # just delay first tokens by chunking.
-        if num_new <= 1 or self.config.policy != "slo" or self.cost_model is None or not step.has_decode:
+        if num_new <= 1 or step.target is None or self.cost_model is None or not step.has_decode:
             return num_new
-        target = step_target_seconds(self.config.itl_slo_ms, self.cost_model, step.decode_shape)
-        if target is None:
-            return num_new
-        capped = self.cost_model.max_chunk(step.shape, start, num_new, target)
+        capped = self.cost_model.max_chunk(step.shape, start, num_new, step.target)
         # Prefills still progress: the first prefill of every step gets at least the minimum chunk.
         floor = 0 if step.has_prefill else min(num_new, self.config.min_prefill_chunk)
         return max(capped, floor)

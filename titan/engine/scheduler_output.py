@@ -10,6 +10,7 @@ import torch
 from titan.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from titan.engine.prefill_budget import BudgetDecision
     from titan.engine.structured import GrammarState
 
 
@@ -57,6 +58,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    budget: BudgetDecision | None = None  # the slo policy's prefill budget for this step, and why
 
     @property
     def num_batched_tokens(self) -> int:

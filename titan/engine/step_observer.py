@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from titan.engine.cost_model import StepCostModel, shape_of
 from titan.engine.gc_discipline import GcMonitor
+from titan.engine.prefill_budget import BudgetDecision
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence
 from titan.engine.spec.planner import SpeculationPlanner
@@ -33,6 +34,7 @@ class StepRecord:
     gc_pause: float  # seconds the garbage collector paused during the step
     num_draft_tokens: int = 0  # speculative decoding: drafts verified in this step, and accepted
     num_accepted_tokens: int = 0
+    budget: BudgetDecision | None = None  # slo: the step's prefill budget and why (compare with the durations)
 
     @classmethod
     def of(cls, output: SchedulerOutput, runner_output: RunnerOutput, started: float, duration: float,
@@ -41,7 +43,8 @@ class StepRecord:
         verified = runner_output.verifications
         return cls(started, duration, output.num_batched_tokens, len(output.scheduled), prefill_tokens,
                    sum(1 for s in output.scheduled if s.is_decode), len(output.preempted_seq_ids),
-                   predicted, gc_pause, sum(v.num_drafts for v in verified), sum(v.num_accepted for v in verified))
+                   predicted, gc_pause, sum(v.num_drafts for v in verified), sum(v.num_accepted for v in verified),
+                   output.budget)
 
 
 @dataclass(frozen=True)
