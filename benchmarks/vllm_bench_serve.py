@@ -22,6 +22,8 @@ import httpx
 from common import write_result
 
 from harness.server import ServerProcess
+from titan.loader.cache import cache_folder_for
+from titan.loader.resolve import resolve_model_path
 
 ROUTES = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 # vLLM's own notices that say nothing about the server it measures.
@@ -31,12 +33,8 @@ RESULT = re.compile(r"^(Successful requests|Failed requests|Median TTFT \(ms\)|M
 
 
 def tokenizer_folder() -> str:
-    """The most recently converted model folder (it holds tokenizer.json): the one the server just loaded."""
-    cache = Path(os.environ.get("TITAN_CACHE_DIR", Path.home() / ".cache" / "titan"))
-    folders = sorted(cache.glob("*/tokenizer.json"), key=lambda path: path.stat().st_mtime)
-    if not folders:
-        raise SystemExit(f"no converted model with a tokenizer.json under {cache}")
-    return str(folders[-1].parent)
+    """The converted folder of the default model (it holds tokenizer.json): the one the server loads."""
+    return str(cache_folder_for(resolve_model_path("default")))
 
 
 def run_backend(vllm: str, url: str, model: str, backend: str, tokenizer: str,

@@ -52,11 +52,11 @@ def ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 3)
 
 
-def gauge_sample(snapshot: Snapshot, n: Callable[[str], str]) -> MetricsSample:
+def gauge_sample(snapshot: Snapshot, exposed: Callable[[str], str]) -> MetricsSample:
     values: dict[str, float] = {}
     for key, name in (("waiting", "num_requests_waiting"), ("running", "num_requests_running"),
                       ("kv_usage", "kv_cache_usage_perc")):
-        value = snapshot.total(n(name))
+        value = snapshot.total(exposed(name))
         if value is not None:
             values[key] = value
     return MetricsSample(snapshot.t, values)
@@ -70,7 +70,7 @@ class ServerDashboard:
         self.spikes = SpikeTracker(settings.history, settings.max_spikes)
         self.last_spike_check: float | None = None
 
-    def n(self, metric: str) -> str:
+    def exposed(self, metric: str) -> str:
         """A metric's exposed name under the server's `--metrics-prefix`."""
         metrics = self.engine.metrics
         return metrics.name(metric) if metrics is not None else P + metric
@@ -84,18 +84,19 @@ class ServerDashboard:
     async def data(self) -> dict[str, Any]:
         now = self.history.take()
         history, window = self.history, self.settings.window
-        ttft50, ttft99 = history.window_quantiles(self.n("time_to_first_token_seconds"), window, (0.5, 0.99))
-        itl50, itl99 = history.window_quantiles(self.n("inter_token_latency_seconds"), window, (0.5, 0.99))
-        kv = now.total(self.n("kv_cache_usage_perc"))
-        gc = history.rate(self.n("gc_pause_seconds_sum"), RATE_SPAN)
+        ttft50, ttft99 = history.window_quantiles(self.exposed("time_to_first_token_seconds"), window, (0.5, 0.99))
+        itl50, itl99 = history.window_quantiles(self.exposed("inter_token_latency_seconds"), window, (0.5, 0.99))
+        kv = now.total(self.exposed("kv_cache_usage_perc"))
+        gc = history.rate(self.exposed("gc_pause_seconds_sum"), RATE_SPAN)
         values = {
             "TTFT P50": ms(ttft50), "TTFT P99": ms(ttft99), "ITL P50": ms(itl50), "ITL P99": ms(itl99),
-            "waiting": now.total(self.n("num_requests_waiting")), "running": now.total(self.n("num_requests_running")),
+            "waiting": now.total(self.exposed("num_requests_waiting")),
+            "running": now.total(self.exposed("num_requests_running")),
             "KV usage": None if kv is None else round(kv * 100, 2),
-            "generated tok/s": history.rate(self.n("generation_tokens_total"), RATE_SPAN),
-            "prompt tok/s": history.rate(self.n("prompt_tokens_total"), RATE_SPAN),
-            "preemptions/s": history.rate(self.n("num_preemptions_total"), RATE_SPAN),
-            "429s/s": history.rate(self.n("admission_rejections_total"), RATE_SPAN),
+            "generated tok/s": history.rate(self.exposed("generation_tokens_total"), RATE_SPAN),
+            "prompt tok/s": history.rate(self.exposed("prompt_tokens_total"), RATE_SPAN),
+            "preemptions/s": history.rate(self.exposed("num_preemptions_total"), RATE_SPAN),
+            "429s/s": history.rate(self.exposed("admission_rejections_total"), RATE_SPAN),
             "GC ms/s": None if gc is None else gc * 1000,
         }
         await self.check_spikes(now)
@@ -116,7 +117,7 @@ class ServerDashboard:
         self.last_spike_check = now.t
         opened = []
         for metric, name in (("ttft", "time_to_first_token_seconds"), ("itl", "inter_token_latency_seconds")):
-            (p99,) = self.history.window_quantiles(self.n(name), now.t - start, (0.99,))
+            (p99,) = self.history.window_quantiles(self.exposed(name), now.t - start, (0.99,))
             spike = self.spikes.observe(metric, start, now.t, p99)
             if spike is not None:
                 opened.append(spike)
@@ -127,6 +128,6 @@ class ServerDashboard:
                   "num_preemptions": r.num_preemptions, "gc_pause": r.gc_pause} for r in records]
         ready = self.engine.ready_time
         ready_t = None if ready is None else ready - monotonic_offset()
-        scrapes = [gauge_sample(snapshot, self.n) for snapshot in self.history.snapshots]
+        scrapes = [gauge_sample(snapshot, self.exposed) for snapshot in self.history.snapshots]
         for spike in opened:
             attribute_live(spike, scrapes, steps, ready_t)

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -78,7 +79,7 @@ class _Group:
     """The n choices of one prompt, for the request-level metrics recorded once all of them finished."""
 
     n: int
-    max_tokens: int
+    max_tokens: int | None  # None: up to the context limit (the metric then records what was generated)
     unfinished: int
     max_generation_tokens: int = 0
 
@@ -180,13 +181,13 @@ class AsyncEngine:
         output_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         stream = OutputStream(self, [r.request_id for r in requests], output_queue)
         accepted = []
+        sizes = Counter(request.prompt_index for request in requests)
         groups: dict[int, _Group] = {}
         for request in requests:
             group = groups.get(request.prompt_index)
             if group is None:
-                size = sum(1 for other in requests if other.prompt_index == request.prompt_index)
-                max_tokens = request.sampling_params.max_tokens
-                group = groups[request.prompt_index] = _Group(size, max_tokens or 0, size)
+                size = sizes[request.prompt_index]
+                group = groups[request.prompt_index] = _Group(size, request.sampling_params.max_tokens, size)
             tracked = _Tracked(output_queue, loop.create_future(), group)
             self._tracked[request.request_id] = tracked
             accepted.append(tracked.accepted)
