@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_ops.h"
 #include "kernels.h"
 
 namespace {
@@ -230,4 +231,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_int8_activations", &set_int8_activations,
           "narrow Q4_0/Q4_1/Q8_0 steps: quantize activations to int8 per block (integer dot products)");
     m.attr("max_fused_rows") = kMaxFusedRows;
+    m.def("paged_attention", [](const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                                const torch::Tensor& block_tables, const torch::Tensor& query_starts,
+                                const torch::Tensor& context_lens, int64_t block_size, double scale) {
+              return titan_paged_attention(table().name, query, key_cache, value_cache, block_tables, query_starts,
+                                           context_lens, block_size, scale);
+          }, "paged attention of decode rows and short chunks, reading K/V through the block table (csrc/attention_ops.h)");
+    m.def("write_kv", &titan_write_kv, "key/value rows into their cache slots");
 }
