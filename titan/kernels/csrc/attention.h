@@ -4,17 +4,19 @@
 #pragma once
 #include <cstdint>
 
-// One unit of work: the query rows of one sequence for one kv head (its `group` query heads), against
-// cache positions [begin, end) of that sequence. Query q = row * group + head of the group.
+// One unit of work: the query rows of one sequence for `kv_heads` consecutive kv heads (each with its `group`
+// query heads), against cache positions [begin, end) of that sequence. Query q = row * heads + head, for
+// heads = kv_heads * group query heads, head h reading kv head h / group of the job.
 struct AttentionJob {
     const float* query;         // row 0, first query head of the group
     int64_t query_row_stride;   // floats between consecutive query rows
     int64_t query_head_stride;  // floats between consecutive query heads
     int32_t rows;               // new rows of the sequence; row i sits at position context - rows + i
     int32_t group;              // query heads per kv head
+    int32_t kv_heads;           // consecutive kv heads in this job
     int32_t head_dim;           // a multiple of 8
     float scale;
-    const float* key_cache;     // slot 0 of this kv head: key at slot s is key_cache[s * slot_stride ..]
+    const float* key_cache;     // slot 0, first kv head of the job: key_cache[s * slot_stride + k * head_dim ..]
     const float* value_cache;
     int64_t slot_stride;        // kv heads * head_dim
     const int64_t* block_table;  // physical block of each logical block of the sequence

@@ -1,4 +1,4 @@
-// Torch binding of paged attention: argument checks, the job list (sequence x kv head x context split),
+// Torch binding of paged attention: argument checks, the job list (sequence x kv heads x context split),
 // scheduling on torch's intra-op pool, and the merge of split jobs (flash-decoding).
 #include <ATen/Parallel.h>
 
@@ -85,42 +85,60 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
     auto out = torch::empty({T, H * D}, query.options().memory_format(torch::MemoryFormat::Contiguous));
     float* op = out.data_ptr<float>();
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    const bool parallel = threads > 1 && total_pairs * group * Hkv >= kInlinePairs;
-    // Split long contexts only where the (sequence, kv head) jobs alone would leave threads idle.
-    const int64_t target = parallel ? std::max<int64_t>(1, total_pairs * Hkv / (threads * kJobsPerThread)) : 0;
+    const bool parallel = threads > 1 && total_pairs * H >= kInlinePairs;
 
-    std::vector<AttentionJob> jobs;
-    std::vector<int64_t> splits(B, 1), partial_offset(B, 0);
-    int64_t partial_floats = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t rows = sp[b + 1] - sp[b], context = cp[b];
-        if (rows == 0) continue;
-        if (parallel) {
+    // Jobs take every kv head of a sequence (its K/V rows are read whole and in order: fewer, longer
+    // memory streams). With threads to feed, long contexts split into block-aligned parts, and where that
+    // still leaves fewer jobs than wanted, every kv head becomes a job of its own.
+    const int64_t wanted_jobs = threads * kJobsPerThread;
+    std::vector<int64_t> splits(B, 1);
+    auto plan = [&](int64_t heads_per_job) {
+        const int64_t target = std::max<int64_t>(1, total_pairs * (Hkv / heads_per_job) / wanted_jobs);
+        int64_t planned = 0;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t rows = sp[b + 1] - sp[b], context = cp[b];
             const int64_t wanted = (rows * context + target - 1) / target;
             splits[b] = std::max<int64_t>(1, std::min(wanted, context / kMinSplitPositions));
+            planned += rows > 0 ? splits[b] * (Hkv / heads_per_job) : 0;
         }
+        return planned;
+    };
+    int64_t heads_per_job = Hkv;
+    if (parallel && plan(Hkv) < wanted_jobs) {
+        heads_per_job = 1;
+        plan(1);
+    }
+    const int64_t chunks = Hkv / heads_per_job, job_heads = heads_per_job * group;
+
+    std::vector<int64_t> partial_offset(B, 0);
+    int64_t partial_floats = 0;
+    for (int64_t b = 0; b < B; b++) {
         if (splits[b] > 1) {
             partial_offset[b] = partial_floats;
-            partial_floats += splits[b] * Hkv * rows * group * (D + 2);
+            partial_floats += splits[b] * chunks * (sp[b + 1] - sp[b]) * job_heads * (D + 2);
         }
     }
     std::vector<float> partial(partial_floats);
+    std::vector<AttentionJob> jobs;
     const float* qp = query.data_ptr<float>();
     for (int64_t b = 0; b < B; b++) {
         const int64_t rows = sp[b + 1] - sp[b], context = cp[b];
         if (rows == 0) continue;
-        for (int64_t h = 0; h < Hkv; h++) {
+        const int64_t part = rows * job_heads * (D + 2);
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const int64_t first_kv = chunk * heads_per_job, first_head = first_kv * group;
             for (int64_t s = 0; s < splits[b]; s++) {
                 AttentionJob job{};
-                job.query = qp + sp[b] * query.stride(0) + h * group * query.stride(1);
+                job.query = qp + sp[b] * query.stride(0) + first_head * query.stride(1);
                 job.query_row_stride = query.stride(0);
                 job.query_head_stride = query.stride(1);
                 job.rows = (int32_t)rows;
                 job.group = (int32_t)group;
+                job.kv_heads = (int32_t)heads_per_job;
                 job.head_dim = (int32_t)D;
                 job.scale = (float)scale;
-                job.key_cache = key_cache.data_ptr<float>() + h * D;
-                job.value_cache = value_cache.data_ptr<float>() + h * D;
+                job.key_cache = key_cache.data_ptr<float>() + first_kv * D;
+                job.value_cache = value_cache.data_ptr<float>() + first_kv * D;
                 job.slot_stride = Hkv * D;
                 job.block_table = tp + b * max_blocks;
                 job.block_size = block_size;
@@ -130,14 +148,14 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
                 job.begin = std::min(context, (blocks * s / splits[b]) * block_size);
                 job.end = s + 1 == splits[b] ? context : std::min(context, (blocks * (s + 1) / splits[b]) * block_size);
                 if (splits[b] == 1) {
-                    job.out = op + sp[b] * H * D + h * group * D;
+                    job.out = op + sp[b] * H * D + first_head * D;
                     job.out_row_stride = H * D;
                     job.stats = nullptr;
                 } else {
-                    float* base = partial.data() + partial_offset[b] + (h * splits[b] + s) * rows * group * (D + 2);
+                    float* base = partial.data() + partial_offset[b] + (chunk * splits[b] + s) * part;
                     job.out = base;
-                    job.out_row_stride = group * D;
-                    job.stats = base + rows * group * D;
+                    job.out_row_stride = job_heads * D;
+                    job.stats = base + rows * job_heads * D;
                 }
                 jobs.push_back(job);
             }
@@ -163,13 +181,13 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
     // Merge the splits of each split sequence: rescale each part to the common max, then normalize.
     for (int64_t b = 0; b < B; b++) {
         if (splits[b] <= 1) continue;
-        const int64_t rows = sp[b + 1] - sp[b], queries = rows * group, part = queries * (D + 2);
-        for (int64_t h = 0; h < Hkv; h++) {
-            const float* base = partial.data() + partial_offset[b] + h * splits[b] * part;
+        const int64_t rows = sp[b + 1] - sp[b], queries = rows * job_heads, part = queries * (D + 2);
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const float* base = partial.data() + partial_offset[b] + chunk * splits[b] * part;
             for (int64_t q = 0; q < queries; q++) {
                 float best = -std::numeric_limits<float>::infinity();
                 for (int64_t s = 0; s < splits[b]; s++) best = std::max(best, base[s * part + queries * D + 2 * q]);
-                float* dst = op + (sp[b] + q / group) * H * D + (h * group + q % group) * D;
+                float* dst = op + (sp[b] + q / job_heads) * H * D + (chunk * job_heads + q % job_heads) * D;
                 std::fill(dst, dst + D, 0.0f);
                 float total = 0.0f;
                 for (int64_t s = 0; s < splits[b]; s++) {
