@@ -3,7 +3,9 @@
 One engine (default model); steps built directly on its runner, the runner's `native_attention` flag
 flipped between consecutive steps, so both paths see the same machine state (this machine is noisy): a
 single decode at contexts 128, 1024 and 4096, 16 decodes at 128, and a 5-row speculative verify chunk at
-1024. Per case, the median step time and the median time inside `paged_attention` (all layers).
+1024. Per case, the median step time and the median time inside `paged_attention` (all layers). Then
+single-stream inter-token latency through the engine (prompt of `context` tokens, 24 greedy tokens), the
+two paths taking turns request by request.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_attention.py --threads 1 [--repeats N] [--output F]
 """
@@ -81,10 +83,22 @@ def measure(engine: LLMEngine, output: SchedulerOutput, repeats: int) -> dict[st
             for path, (steps, attention) in samples.items()}
 
 
+def itl_ms(engine: LLMEngine, context: int, tokens: int = 24) -> float:
+    """Median milliseconds between consecutive tokens of one greedy request with a `context`-token prompt."""
+    prompt = [(7 * i) % 40000 + 100 for i in range(context)]
+    engine.add_request(prompt, SamplingParams(max_tokens=tokens + 2, temperature=0.0, ignore_eos=True))
+    stamps = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    return 1e3 * statistics.median(b - a for a, b in zip(stamps[2:], stamps[3:], strict=False))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--itl-rounds", type=int, default=2, help="requests per path and context (0: skip)")
     parser.add_argument("--output", default="benchmarks/results/decode_attention.json")
     args = parser.parse_args()
     engine = LLMEngine(engine_config(threads=args.threads))
@@ -109,8 +123,19 @@ def main() -> None:
         print(f"{name:30s}{torch_path['step_ms']:12.2f}{native_path['step_ms']:12.2f}"
               f"{torch_path['step_ms'] / native_path['step_ms']:8.2f}x"
               f"{torch_path['attention_ms']:12.2f}{native_path['attention_ms']:12.2f}   ms")
+    itl: dict[str, dict[str, float]] = {}
+    for context in (128, 1024, 4096) if args.itl_rounds else ():
+        gaps: dict[str, list[float]] = {path: [] for path in PATHS}
+        for index in range(2 * args.itl_rounds):
+            path = PATHS[index % 2]
+            engine.runner.native_attention = path == "native"
+            gaps[path].append(itl_ms(engine, context))
+        medians = itl[str(context)] = {path: round(statistics.median(values), 2) for path, values in gaps.items()}
+        print(f"ITL @ ctx {context:<5d} torch {medians['torch']:7.2f}  native {medians['native']:7.2f} ms"
+              f"  ({medians['torch'] / medians['native']:.2f}x)")
     engine.runner.native_attention = native_default
     write_result(args.output, {"cpu": cpu_description(), "threads": torch.get_num_threads(), "cases": results,
+                               "itl_ms": itl,
                                "note": "paths alternate step by step; medians; shared, noisy machine"})
 
 
