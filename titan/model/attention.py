@@ -122,12 +122,10 @@ def build_attention_metadata(
     if native:
         metadata.native_runs, long_chunks = plan_native_runs(num_new_tokens, start_positions, block_tables, tables,
                                                              block_size)
-        row_starts = [0]
-        for n in num_new_tokens:
-            row_starts.append(row_starts[-1] + n)
         for index in long_chunks:
-            metadata.prefills.append(_prefill_chunk(index, row_starts[index], num_new_tokens[index],
-                                                    start_positions[index], tables, block_size, device))
+            row_start = sum(num_new_tokens[:index])
+            metadata.prefills.append(_prefill_chunk(index, row_start, num_new_tokens[index], start_positions[index],
+                                                    tables, block_size, device))
         return metadata, positions.to(device, non_blocking=True)
 
     contexts = [start + 1 for start in start_positions[:num_decodes]]
