@@ -43,10 +43,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def _native_cpu_float32(*tensors: torch.Tensor) -> ModuleType | None:
-    """The native module if it loaded and every tensor is a CPU float32 one (the fused ops' domain)."""
+    """The native module if it loaded and every tensor is a CPU float32 one (the fused ops' domain).
+    A plain loop: this runs several times per layer of every step."""
     module = native()
-    if module is None or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+    if module is None:
         return None
+    for t in tensors:
+        if t.dtype is not torch.float32 or t.device.type != "cpu":
+            return None
     return module
 
 
@@ -80,6 +84,9 @@ def add_rms_norm(
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """x [..., cols] @ weight.T -> [..., rows], in x's dtype."""
     module = native()
+    if module is not None and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS and x.dtype is torch.float32 \
+            and x.device.type == "cpu" and x.stride(-1) == 1:
+        return module.gemv(x, weight.data, weight.ggml_type, weight.cols)  # decode: the hot path, first
     flat = x.reshape(-1, weight.cols)
     if module is None or flat.dtype != torch.float32 or flat.device.type != "cpu":
         dense = fallback.dequantize_rows(weight.data, weight.ggml_type, weight.cols)

@@ -229,10 +229,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &set_isa, "select the kernel ISA: auto | generic | avx2 | avx512");
     m.def("get_isa", &get_isa, "the kernel ISA in use");
     m.def("cpu_features", &cpu_features, "SIMD features this CPU reports");
-    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)");
+    // The matrix products release the GIL, as torch's own ops do: the server's event loop (SSE writes,
+    // tokenizing) runs on another core meanwhile instead of waiting for the interpreter's switch interval.
+    const auto no_gil = py::call_guard<py::gil_scoped_release>();
+    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)", no_gil);
     m.def("dequantize", &dequantize, "dequantize all or some rows to float32", py::arg("w"), py::arg("type"),
           py::arg("K"), py::arg("rows") = py::none());
-    m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps");
+    m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps", no_gil);
     m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
     m.def("set_activation_bits", &set_activation_bits,
           "Q4_0/Q4_1/Q8_0 weights: round activations per block to 16- or 8-bit integers (0: float32)");
