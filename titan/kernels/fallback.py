@@ -16,6 +16,21 @@ def _scales(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
 
 
+# Weight types whose products take rounded activations (see TITAN_ACTIVATION_BITS in build.py).
+ROUNDS_ACTIVATIONS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+
+def round_activations(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """x [..., K] rounded per block of 32 to `bits`-bit integers and back, with the native kernels' exact
+    float ops: d = max |x| / qmax, q = round-half-even(x * (1 / d)), q * d; bits 0 returns x."""
+    if bits == 0:
+        return x
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / float(2 ** (bits - 1) - 1)
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).reshape(x.shape).to(x.dtype)
+
+
 def dequantize_rows(data: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:
     """uint8 [rows, row_bytes] of `ggml_type` -> float32 [rows, cols]."""
     rows = data.shape[0]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from titan.kernels import fallback
-from titan.kernels.build import native
+from titan.kernels.build import activation_bits, native
 from titan.kernels.quantized import QuantizedTensor
 
 # Dequantized weight tile of a wide step: ~4 MiB of float32, so it stays in L2/L3 while the GEMM reads it.
@@ -28,6 +29,11 @@ def wide_bf16() -> bool:
     return os.environ.get(WIDE_BF16_ENV, "0") == "1"
 
 
+@functools.cache
+def _activation_bits() -> int:
+    return activation_bits()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """The native RMSNorm for contiguous CPU float32 input, or None where it does not apply."""
     module = native()
@@ -36,12 +42,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return module.rms_norm(x.contiguous(), weight, eps)
 
 
+def _native_cpu_float32(*tensors: torch.Tensor) -> ModuleType | None:
+    """The native module if it loaded and every tensor is a CPU float32 one (the fused ops' domain).
+    A plain loop: this runs several times per layer of every step."""
+    module = native()
+    if module is None:
+        return None
+    for t in tensors:
+        if t.dtype is not torch.float32 or t.device.type != "cpu":
+            return None
+    return module
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Native rotate-half rotation of [T, heads, head_dim] (see titan/model/rope.py), or None."""
+    module = _native_cpu_float32(x, cos, sin)
+    if module is None or x.stride(-1) != 1:
+        return None
+    return module.rotary(x, cos.contiguous(), sin.contiguous())
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """Native SwiGLU of a fused [T, 2 * I] gate/up output, or None."""
+    module = _native_cpu_float32(gate_up)
+    if module is None or gate_up.dim() != 2:
+        return None
+    return module.silu_and_mul(gate_up.contiguous())
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Native (rms_norm(residual + x) * weight, residual + x), or None."""
+    module = _native_cpu_float32(x, residual, weight)
+    if module is None or x.shape != residual.shape:
+        return None
+    normed, total = module.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
+    return normed, total
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """x [..., cols] @ weight.T -> [..., rows], in x's dtype."""
     module = native()
+    if module is not None and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS and x.dtype is torch.float32 \
+            and x.device.type == "cpu" and x.stride(-1) == 1:
+        return module.gemv(x, weight.data, weight.ggml_type, weight.cols)  # decode: the hot path, first
     flat = x.reshape(-1, weight.cols)
     if module is None or flat.dtype != torch.float32 or flat.device.type != "cpu":
         dense = fallback.dequantize_rows(weight.data, weight.ggml_type, weight.cols)
+        if weight.ggml_type in fallback.ROUNDS_ACTIVATIONS:
+            x = fallback.round_activations(x, _activation_bits())
         return F.linear(x, dense.to(device=x.device, dtype=x.dtype))
     if flat.stride(-1) != 1:
         flat = flat.contiguous()

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.kernels import QuantizedTensor, embedding, quantized_linear
-from titan.kernels.ops import rms_norm
+from titan.kernels.ops import add_rms_norm, rms_norm
+from titan.kernels.ops import silu_and_mul as native_silu_and_mul
 
 
 class Linear(nn.Module):
@@ -119,11 +120,22 @@ class RMSNorm(nn.Module):
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm where native."""
+        fused = add_rms_norm(x, residual, self.weight, self.eps) if x.dtype == torch.float32 else None
+        if fused is not None:
+            return fused
+        total = residual + x
+        return self(total), total
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation on a fused [.., 2 * intermediate] gate/up projection output."""
+    fused = native_silu_and_mul(gate_up)
+    if fused is not None:
+        return fused
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)

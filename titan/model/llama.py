@@ -85,11 +85,13 @@ class LlamaDecoderLayer(nn.Module):
 
         Deferring the residual add to the next layer lets the first layer start from the embeddings.
         """
-        residual = hidden if residual is None else residual + hidden
-        hidden = self.self_attn(self.input_layernorm(residual), cos, sin, metadata)
-        residual = residual + hidden
-        hidden = self.mlp(self.post_attention_layernorm(residual))
-        return hidden, residual
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(normed, cos, sin, metadata)
+        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 # HF tensor name -> (our parameter name, shard index within the fused parameter).
@@ -139,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, attention_metadata)
-        return self.norm(hidden if residual is None else residual + hidden)
+        return self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]; call it only on rows that sample."""

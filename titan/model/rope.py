@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from titan.kernels.ops import rotary as native_rotary
+
 
 def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     """Per-pair rotation frequencies [head_dim // 2] in float32, computed exactly as HF does."""
@@ -77,6 +79,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     `x` may be a strided view (e.g. the q/k part of a fused qkv output); the result is contiguous.
     """
+    fused = native_rotary(x, cos, sin)
+    if fused is not None:
+        return fused
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention_ops.h"
+#include "fused.h"
 #include "kernels.h"
 
 namespace {
@@ -81,33 +82,35 @@ int64_t grain_for(int64_t N) {
     return std::max<int64_t>(8, N / (threads * 8));
 }
 
-bool g_int8_activations = false;  // opt-in: see titan/kernels/build.py
+// Q4_0 / Q4_1 / Q8_0 weights multiply activations rounded per block of 32 to 16-bit integers (or 8-bit,
+// llama.cpp's scheme), in narrow and wide steps alike, so a row's numbers never depend on the batch it
+// rides in. Set from TITAN_ACTIVATION_BITS by titan/kernels/build.py; 0: float32 activations everywhere.
+int g_activation_bits = 16;
 
-bool set_int8_activations(bool enabled) {
-    g_int8_activations = enabled;
-    return g_int8_activations;
+int set_activation_bits(int64_t bits) {
+    TORCH_CHECK(bits == 0 || bits == 8 || bits == 16, "activation bits must be 0 (float), 8 or 16");
+    g_activation_bits = (int)bits;
+    return g_activation_bits;
 }
 
-// Rows of x to int8 per block of 32 (scale = max |x| / 127, round to nearest), with each block's scale
-// and scale * sum of its quantized values (the term a Q4_1 minimum multiplies).
-void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
-    const int64_t blocks = K / 32;
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const float* v = x + m * ldx + blk * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
-            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            int8_t* q = xq + m * K + blk * 32;
-            for (int i = 0; i < 32; i++) {
-                q[i] = (int8_t)std::nearbyint(v[i] * inv);
-                sum += q[i];
-            }
-            xd[m * blocks + blk] = d;
-            xs[m * blocks + blk] = d * (float)sum;
-        }
-    }
+bool rounds_activations(int64_t type) {
+    return g_activation_bits != 0 && (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0);
+}
+
+// x rounded per block and back to float32 (the values the integer kernels multiply).
+torch::Tensor round_activations(const torch::Tensor& x) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 32 == 0 && x.stride(1) == 1,
+                "x must be float32 [M, K] with K a multiple of 32 and unit inner stride");
+    const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+    auto out = torch::empty({M, K}, x.options());
+    if (g_activation_bits == 0) return out.copy_(x);
+    const KernelTable& t = table();
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+        t.quantize_rows(xp, ldx, m0, m1, K, g_activation_bits, nullptr, nullptr, nullptr, op);
+    });
+    return out;
 }
 
 // x [M, K] float32 times weight [N, K]^T -> [M, N]; every weight byte read from memory once.
@@ -119,18 +122,21 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
     auto y = torch::empty({M, N}, x.options());
     const KernelTable& t = table();
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    const float* xp = x.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    const int64_t ldx = x.stride(0);
-    if (g_int8_activations && t.gemv_q8 != nullptr && (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0)) {
-        std::vector<int8_t> xq(M * K);
+    if (rounds_activations(type) && t.gemv_int != nullptr) {
+        const int bits = g_activation_bits;
+        std::vector<int16_t> xq(M * K);  // int16, or int8 in the first half
         std::vector<float> xd(M * (K / 32)), xs(M * (K / 32));
-        quantize_activations(xp, ldx, M, K, xq.data(), xd.data(), xs.data());
+        t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, bits, xq.data(), xd.data(), xs.data(), nullptr);
         at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
-            t.gemv_q8((int32_t)type, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1);
+            t.gemv_int((int32_t)type, bits, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1);
         });
         return y;
     }
+    // No integer kernel on this ISA (generic): the same rounded values, multiplied in float32.
+    const torch::Tensor xin = rounds_activations(type) ? round_activations(x) : x;
+    const float* xp = xin.data_ptr<float>();
+    const int64_t ldx = xin.stride(0);
     at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
         t.gemv((int32_t)type, wp, row_bytes, K, xp, ldx, M, yp, N, n0, n1);
     });
@@ -175,7 +181,8 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
     const uint8_t* wp = w.data_ptr<uint8_t>();
     tile_rows = std::max<int64_t>(1, std::min(tile_rows, N));
     auto tile = torch::empty({tile_rows, K}, torch::dtype(torch::kFloat32));
-    const torch::Tensor xin = use_bf16 ? x.to(torch::kBFloat16) : x.contiguous();
+    const torch::Tensor rounded = rounds_activations(type) ? round_activations(x.contiguous()) : x.contiguous();
+    const torch::Tensor xin = use_bf16 ? rounded.to(torch::kBFloat16) : rounded;
     for (int64_t n0 = 0; n0 < N; n0 += tile_rows) {
         const int64_t rows = std::min(tile_rows, N - n0);
         float* tp = tile.data_ptr<float>();
@@ -223,19 +230,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &set_isa, "select the kernel ISA: auto | generic | avx2 | avx512");
     m.def("get_isa", &get_isa, "the kernel ISA in use");
     m.def("cpu_features", &cpu_features, "SIMD features this CPU reports");
-    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)");
+    // The matrix products release the GIL, as torch's own ops do: the server's event loop (SSE writes,
+    // tokenizing) runs on another core meanwhile instead of waiting for the interpreter's switch interval.
+    const auto no_gil = py::call_guard<py::gil_scoped_release>();
+    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)", no_gil);
     m.def("dequantize", &dequantize, "dequantize all or some rows to float32", py::arg("w"), py::arg("type"),
           py::arg("K"), py::arg("rows") = py::none());
-    m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps");
+    m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps", no_gil);
     m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
-    m.def("set_int8_activations", &set_int8_activations,
-          "narrow Q4_0/Q4_1/Q8_0 steps: quantize activations to int8 per block (integer dot products)");
+    m.def("set_activation_bits", &set_activation_bits,
+          "Q4_0/Q4_1/Q8_0 weights: round activations per block to 16- or 8-bit integers (0: float32)");
+    m.def("round_activations", &round_activations, "float32 [M, K] rounded per block of 32 as those weights see it");
+    m.def("rotary", &rotary, "rotate-half rotary embedding of [T, heads, head_dim] by cos / sin [T, head_dim / 2]");
+    m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused [T, 2 * I] gate/up output");
+    m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x) * weight, residual + x)");
     m.attr("max_fused_rows") = kMaxFusedRows;
     m.def("paged_attention", [](const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                                 const torch::Tensor& block_tables, const torch::Tensor& query_starts,
                                 const torch::Tensor& context_lens, int64_t block_size, double scale) {
               return titan_paged_attention(table().name, query, key_cache, value_cache, block_tables, query_starts,
                                            context_lens, block_size, scale);
-          }, "paged attention of decode rows and short chunks, reading K/V through the block table (csrc/attention_ops.h)");
+          }, "paged attention of decode rows and short chunks, reading K/V through the block table (csrc/attention_ops.h)",
+          no_gil);
     m.def("write_kv", &titan_write_kv, "key/value rows into their cache slots");
 }

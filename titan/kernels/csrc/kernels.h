@@ -3,6 +3,7 @@
 // `#pragma GCC target` without touching code that runs on every CPU.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include <immintrin.h>
 
@@ -21,14 +22,18 @@ struct KernelTable {
     // y[m * ldy + n] = dot(x[m * ldx .. + K], row n of w) for m < M n in [n0, n1).
     void (*gemv)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x, int64_t ldx,
                  int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
-    // As gemv for Q4_0 / Q4_1 / Q8_0 with activations quantized to int8 per block of 32 (llama.cpp's
-    // Q8 scheme): xq [M, K] int8, xd [M, K/32] block scales, xs [M, K/32] scale * sum of the block's xq.
-    // Integer dot products; nullptr where the ISA has no such kernel (generic).
-    void (*gemv_q8)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int8_t* xq,
-                    const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
+    // As gemv for Q4_0 / Q4_1 / Q8_0 with activations rounded per block of 32 to `bits`-bit integers (16,
+    // or 8: llama.cpp's Q8 scheme) by quantize_rows: xq [M, K] int16 / int8, xd [M, K/32] block scales,
+    // xs [M, K/32] scale * sum of the block's xq. Integer dot products; nullptr on the generic ISA.
+    void (*gemv_int)(int32_t type, int bits, const uint8_t* w, int64_t row_bytes, int64_t K, const void* xq,
+                     const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
     // out[(i - i0) * K ..] = row (rows ? rows[i] : i) of w dequantized, for i in [i0, i1).
     void (*dequant)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows,
                     int64_t i0, int64_t i1, float* out);
+    // Rows [m0, m1) of x [M, K] rounded per block of 32 to `bits`-bit integers (see kernels_impl.inc): any
+    // of xq [M, K] (int8 or int16), xd / xs [M, K/32] and xr [M, K] (the rounded values as float) may be null.
+    void (*quantize_rows)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int bits, void* xq,
+                          float* xd, float* xs, float* xr);
 };
 
 extern const KernelTable kGenericTable;
