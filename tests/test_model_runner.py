@@ -15,6 +15,7 @@ from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from titan.model.attention import build_attention_metadata, paged_attention
 from titan.model.llama import LlamaForCausalLM
+from titan.model.native_attention import native_attention_module
 from titan.model.rope import RotaryEmbedding, apply_rotary, rope_inverse_frequencies
 
 DEVICES = [
@@ -138,9 +139,13 @@ def test_metadata_rejects_decode_after_prefill() -> None:
         build_attention_metadata([3, 1], [0, 4], [[0], [1, 2]], 4, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("native", [False, pytest.param(True, id="native-kernel")])
 @pytest.mark.parametrize("device", DEVICES)
-def test_paged_attention_matches_dense_attention(device: str) -> None:
-    """Random history already in a shuffled cache plus new tokens: equals per-sequence dense attention."""
+def test_paged_attention_matches_dense_attention(device: str, native: bool) -> None:
+    """Random history already in a shuffled cache plus new tokens: equals per-sequence dense attention (also
+    through the native kernel's plan, on CPU float32 where it is built)."""
+    if native and native_attention_module(torch.device(device), torch.float32) is None:
+        pytest.skip("the native attention kernel needs the native kernels and a CPU")
     torch.manual_seed(0)
     block_size, num_blocks, heads, kv_heads, head_dim = 4, 48, 6, 2, 8
     blocks = list(range(num_blocks))
@@ -161,7 +166,8 @@ def test_paged_attention_matches_dense_attention(device: str) -> None:
     total = sum(new_tokens)
     query = torch.randn(total, heads, head_dim)
     key, value = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
-    metadata, _ = build_attention_metadata(new_tokens, starts, tables, block_size, torch.device(device))
+    metadata, _ = build_attention_metadata(new_tokens, starts, tables, block_size, torch.device(device), native=native)
+    assert bool(metadata.native_runs) == native
     scale = head_dim**-0.5
     out = paged_attention(
         query.to(device), key.to(device), value.to(device), key_cache, value_cache, metadata, scale

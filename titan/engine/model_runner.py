@@ -14,6 +14,7 @@ from titan.engine.scheduler_output import PromptLogprobs, RunnerOutput, Schedule
 from titan.engine.spec.verify import accept, generator_states, sampling_rows
 from titan.model.attention import AttentionMetadata, build_attention_metadata
 from titan.model.llama import LlamaForCausalLM
+from titan.model.native_attention import native_attention_module
 
 if TYPE_CHECKING:
     from titan.engine.sampler import Sampler
@@ -59,6 +60,8 @@ class ModelRunner:
             value_cache[self.null_slot].zero_()
             self.kv_caches.append((key_cache, value_cache))
         self.model.bind_kv_cache(self.kv_caches)
+        # Decode rows and short chunks through the native paged attention kernel (CPU float32).
+        self.native_attention = native_attention_module(self.device, dtype) is not None
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -190,7 +193,7 @@ class ModelRunner:
                 starts.append(item.start_position)
                 tables.append(item.block_table)
         metadata, positions = build_attention_metadata(lengths, starts, tables, self.block_size, self.device,
-                                                       null_slot=self.null_slot)
+                                                       null_slot=self.null_slot, native=self.native_attention)
         token_ids = [token for s in ordered for token in s.token_ids]
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         row_ranges: list[tuple[int, int]] = [(0, 0)] * len(scheduled)

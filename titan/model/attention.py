@@ -7,6 +7,9 @@ the K/V of position `p` of a sequence live at physical slot
 Every step's tokens are flattened into one batch, decodes first (sequences with exactly one new
 token), then prefill chunks. `AttentionMetadata` is built once per step on the host and shared by
 all layers, so the layer loop itself never syncs with the device.
+
+On CPU float32 with the native kernels loaded, decode rows and chunks of up to `NATIVE_CHUNK_MAX_ROWS`
+rows go to the native paged attention kernel (see native_attention.py) and only longer chunks to SDPA.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from titan.kernels.build import native
+from titan.model.native_attention import NativeRun, native_paged_attention, plan_native_runs
 
 
 @dataclass
@@ -50,6 +56,8 @@ class AttentionMetadata:
     num_decodes: int = 0  # the first `num_decodes` rows are one-token sequences
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Rows the native kernel attends (then decode_buckets is empty and prefills holds only long chunks).
+    native_runs: list[NativeRun] = field(default_factory=list)
 
 
 # A decode bucket may pad up to this share of its real context columns (or this many columns, whichever
@@ -83,13 +91,15 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     null_slot: int | None = None,
+    native: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata and the [T] position tensor for sequences already ordered decodes first.
 
     Every index is computed with a handful of vectorized ops on the host, then copied to `device`.
     `null_slot`, when given, is a cache slot that always holds zeros: padded decode columns read it, so
     the rest of the cache may hold garbage (it is allocated uninitialized, which costs no memory
-    until used).
+    until used). `native` (CPU float32 only: see `native_attention_module`) plans the native kernel's runs
+    instead of decode buckets and short chunks' slot/mask tensors.
     """
     num_sequences = len(num_new_tokens)
     num_decodes = 0
@@ -109,6 +119,14 @@ def build_attention_metadata(
     )
     slot_mapping = tables[sequence_of_token, positions // block_size] * block_size + positions % block_size
     metadata = AttentionMetadata(slot_mapping=slot_mapping.to(device, non_blocking=True), num_decodes=num_decodes)
+    if native:
+        metadata.native_runs, long_chunks = plan_native_runs(num_new_tokens, start_positions, block_tables, tables,
+                                                             block_size)
+        for index in long_chunks:
+            row_start = sum(num_new_tokens[:index])
+            metadata.prefills.append(_prefill_chunk(index, row_start, num_new_tokens[index], start_positions[index],
+                                                    tables, block_size, device))
+        return metadata, positions.to(device, non_blocking=True)
 
     contexts = [start + 1 for start in start_positions[:num_decodes]]
     for row_start, row_end in decode_buckets(contexts):
@@ -128,17 +146,23 @@ def build_attention_metadata(
     token_start = num_decodes
     for index in range(num_decodes, num_sequences):
         n, start = num_new_tokens[index], start_positions[index]
-        chunk = PrefillChunk(token_start=token_start, token_end=token_start + n, start_position=start)
-        if start > 0:
-            columns = torch.arange(start + n)
-            slots = tables[index, columns // block_size] * block_size + columns % block_size
-            chunk.context_slots = slots.to(device, non_blocking=True)
-            # Query i sits at position start + i and sees every key up to and including itself.
-            mask = columns[None, :] <= torch.arange(start, start + n)[:, None]
-            chunk.mask = mask.to(device, non_blocking=True)
-        metadata.prefills.append(chunk)
+        metadata.prefills.append(_prefill_chunk(index, token_start, n, start, tables, block_size, device))
         token_start += n
     return metadata, positions.to(device, non_blocking=True)
+
+
+def _prefill_chunk(
+    index: int, token_start: int, n: int, start: int, tables: torch.Tensor, block_size: int, device: torch.device
+) -> PrefillChunk:
+    chunk = PrefillChunk(token_start=token_start, token_end=token_start + n, start_position=start)
+    if start > 0:
+        columns = torch.arange(start + n)
+        slots = tables[index, columns // block_size] * block_size + columns % block_size
+        chunk.context_slots = slots.to(device, non_blocking=True)
+        # Query i sits at position start + i and sees every key up to and including itself.
+        mask = columns[None, :] <= torch.arange(start, start + n)[:, None]
+        chunk.mask = mask.to(device, non_blocking=True)
+    return chunk
 
 
 def paged_attention(
@@ -154,10 +178,18 @@ def paged_attention(
     _, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    key_cache.index_copy_(0, metadata.slot_mapping, key)
-    value_cache.index_copy_(0, metadata.slot_mapping, value)
+    module = native() if metadata.native_runs else None
+    if metadata.native_runs and (module is None or query.device.type != "cpu" or query.dtype != torch.float32):
+        raise ValueError("attention metadata planned for the native kernel, but it cannot run on these tensors")
+    if module is not None:
+        module.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)  # ~1 us; index_copy_ x2 ~5 us
+    else:
+        key_cache.index_copy_(0, metadata.slot_mapping, key)
+        value_cache.index_copy_(0, metadata.slot_mapping, value)
 
     outputs: list[torch.Tensor] = []
+    for run in metadata.native_runs:
+        outputs.append(native_paged_attention(module, query, key_cache, value_cache, run, scale))
     for bucket in metadata.decode_buckets:
         batch, context = bucket.row_end - bucket.row_start, bucket.max_context
         keys = key_cache.index_select(0, bucket.slots).view(batch, context, num_kv_heads, head_dim)
@@ -195,4 +227,7 @@ def paged_attention(
 
     if len(outputs) == 1:
         return outputs[0]
+    if metadata.native_runs and metadata.prefills:  # a long chunk may sit between native runs: row order
+        starts = [run.row_start for run in metadata.native_runs] + [chunk.token_start for chunk in metadata.prefills]
+        outputs = [out for _, out in sorted(zip(starts, outputs, strict=True), key=lambda pair: pair[0])]
     return torch.cat(outputs, dim=0)

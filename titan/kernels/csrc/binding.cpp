@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_ops.h"
 #include "fused.h"
 #include "kernels.h"
 
@@ -244,4 +245,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused [T, 2 * I] gate/up output");
     m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x) * weight, residual + x)");
     m.attr("max_fused_rows") = kMaxFusedRows;
+    m.def("paged_attention", [](const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                                const torch::Tensor& block_tables, const torch::Tensor& query_starts,
+                                const torch::Tensor& context_lens, int64_t block_size, double scale) {
+              return titan_paged_attention(table().name, query, key_cache, value_cache, block_tables, query_starts,
+                                           context_lens, block_size, scale);
+          }, "paged attention of decode rows and short chunks, reading K/V through the block table (csrc/attention_ops.h)");
+    m.def("write_kv", &titan_write_kv, "key/value rows into their cache slots");
 }
