@@ -5,6 +5,7 @@ numbers (so any mismatch is in the loading/fusing, not in the rounding)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import gguf
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from titan.config import ModelConfig
-from titan.kernels import QuantizedTensor
+from titan.kernels import QuantizedTensor, native, ops
+from titan.kernels.build import activation_bits as activation_bits_setting
 from titan.model.attention import build_attention_metadata
 from titan.model.llama import LlamaForCausalLM
 
@@ -83,9 +85,28 @@ def logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(tokens), positions, metadata))
 
 
+@pytest.fixture(params=[0, 16], ids=["float-activations", "int16-activations"])
+def activation_bits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """Both the native kernels and the PyTorch fallback multiply activations rounded to `bits`."""
+    monkeypatch.setattr(ops, "_activation_bits", lambda: request.param)
+    module = native()
+    if module is not None:
+        module.set_activation_bits(request.param)
+    yield request.param
+    if module is not None:
+        module.set_activation_bits(activation_bits_setting())
+
+
+# Float activations: the quantized layers compute what float layers with the dequantized weights do, up to
+# summation order. Rounded to int16 per block of 32 (the default), the Q4_1 / Q8_0 shards add that rounding.
+TWIN_TOLERANCE = {0: 1e-4, 16: 1e-2}
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("float_shard", [None, "self_attn.v_proj"])
-def test_quantized_model_matches_its_dequantized_twin(tied: bool, float_shard: str | None) -> None:
+def test_quantized_model_matches_its_dequantized_twin(
+    tied: bool, float_shard: str | None, activation_bits: int
+) -> None:
     config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
     weights = model_weights(config, float_shard)
     quantized_model, float_model = LlamaForCausalLM(config), LlamaForCausalLM(config)
@@ -102,7 +123,9 @@ def test_quantized_model_matches_its_dequantized_twin(tied: bool, float_shard: s
         assert quantized_model.lm_head.quantized[0] is quantized_model.embed_tokens.quantized
 
     tokens = [3, 17, 5, 90, 41, 41, 8, 60, 2, 33]
-    torch.testing.assert_close(logits(quantized_model, tokens), logits(float_model, tokens), atol=1e-4, rtol=1e-4)
+    tolerance = TWIN_TOLERANCE[activation_bits]
+    torch.testing.assert_close(logits(quantized_model, tokens), logits(float_model, tokens), atol=tolerance,
+                               rtol=tolerance)
 
 
 def test_misshaped_quantized_weight_is_rejected() -> None:

@@ -47,6 +47,10 @@ _tried = False
 
 
 KERNEL_CACHE_ENV = "TITAN_KERNEL_CACHE"
+# -fopenmp: ATen's parallel_for is a template that runs in parallel only where the calling unit is compiled
+# with OpenMP (without it every kernel ran on one thread whatever --threads said).
+_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 
 def _build_dir() -> Path:
@@ -57,6 +61,7 @@ def _build_dir() -> Path:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     import torch
 
     digest.update(torch.__version__.encode())
@@ -84,7 +89,8 @@ def _compile() -> ModuleType:
     return cpp_extension.load(
         name="titan_qkernels",
         sources=[str(_CSRC / name) for name in _SOURCES],
-        extra_cflags=["-O3", "-fno-math-errno"],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
         build_directory=str(folder),
         verbose=False,
     )
