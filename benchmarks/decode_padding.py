@@ -14,23 +14,12 @@ import statistics
 import time
 
 from common import cpu_description, write_result
+from decode_attention import step  # one-token decodes at given contexts, built on the runner directly
 
 from titan.config_flags import engine_config
 from titan.engine.llm_engine import LLMEngine
-from titan.engine.sampling_params import SamplingParams
-from titan.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from titan.engine.scheduler_output import SchedulerOutput
 from titan.model import attention
-
-
-def step(contexts: list[int], block_size: int) -> SchedulerOutput:
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    scheduled, next_block = [], 0
-    for index, context in enumerate(contexts):
-        blocks = -(-context // block_size)
-        table = list(range(next_block, next_block + blocks))
-        next_block += blocks
-        scheduled.append(ScheduledSequence(index, [5], context - 1, table, True, greedy, [5] * context, []))
-    return SchedulerOutput(scheduled=scheduled)
 
 
 def median_ms(engine: LLMEngine, output: SchedulerOutput, repeats: int) -> float:
