@@ -5,7 +5,7 @@ numbers (so any mismatch is in the loading/fusing, not in the rounding)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from titan.config import ModelConfig
-from titan.kernels import QuantizedTensor, native, ops
-from titan.kernels.build import activation_bits as activation_bits_setting
+from titan.kernels import QuantizedTensor
 from titan.model.attention import build_attention_metadata
 from titan.model.llama import LlamaForCausalLM
 
@@ -86,15 +85,9 @@ def logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(params=[0, 16], ids=["float-activations", "int16-activations"])
-def activation_bits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    """Both the native kernels and the PyTorch fallback multiply activations rounded to `bits`."""
-    monkeypatch.setattr(ops, "_activation_bits", lambda: request.param)
-    module = native()
-    if module is not None:
-        module.set_activation_bits(request.param)
-    yield request.param
-    if module is not None:
-        module.set_activation_bits(activation_bits_setting())
+def activation_bits(request: pytest.FixtureRequest, set_activation_bits: Callable[[int], None]) -> int:
+    set_activation_bits(request.param)
+    return request.param
 
 
 # Float activations: the quantized layers compute what float layers with the dequantized weights do, up to
