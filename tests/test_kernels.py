@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -99,10 +99,9 @@ def test_dequantize_is_exact(isa: str, kind: Q) -> None:
 
 
 @pytest.fixture(params=[16, 8, 0], ids=["int16-activations", "int8-activations", "float-activations"])
-def activation_bits(request: pytest.FixtureRequest) -> Iterator[int]:
-    NATIVE.set_activation_bits(request.param)
-    yield request.param
-    NATIVE.set_activation_bits(16)
+def activation_bits(request: pytest.FixtureRequest, set_activation_bits: Callable[[int], None]) -> int:
+    set_activation_bits(request.param)
+    return request.param
 
 
 def rounded_reference_input(x: torch.Tensor, kind: Q, bits: int) -> torch.Tensor:
@@ -129,7 +128,8 @@ def test_products_match_reference(isa: str, kind: Q, activation_bits: int, monke
 
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("kind", INT_ACTIVATION_TYPES, ids=lambda k: k.name)
-def test_activation_rounding_is_the_only_difference(isa: str, kind: Q, bits: int) -> None:
+def test_activation_rounding_is_the_only_difference(isa: str, kind: Q, bits: int,
+                                                    set_activation_bits: Callable[[int], None]) -> None:
     """Against unrounded activations the error is the rounding's, within its stated bound; narrow (integer
     kernel) and wide (rounded floats into a GEMM) steps give a row the same numbers, so a row's output
     does not depend on the step it rides in."""
@@ -137,29 +137,24 @@ def test_activation_rounding_is_the_only_difference(isa: str, kind: Q, bits: int
     raw = random_blocks(kind, 70, cols, seed=200 + int(kind))
     weight, dense = quantized(raw, kind, cols), reference(raw, kind).double()
     x = torch.randn(ops.FUSED_MAX_ROWS + 8, cols, generator=torch.Generator().manual_seed(5))
-    try:
-        NATIVE.set_activation_bits(bits)
-        wide = ops.quantized_linear(x, weight)
-        for rows in (1, 3, 8, 11):
-            narrow = ops.quantized_linear(x[:rows], weight)
-            error = relative_error(narrow, x[:rows].double() @ dense.T)
-            assert error < ROUNDING_BOUND[bits], rows
-            if bits == 8:
-                assert error > NARROW_BOUND  # the rounding really happened
-            assert relative_error(narrow, wide[:rows].double()) < NARROW_BOUND, rows
-    finally:
-        NATIVE.set_activation_bits(16)
+    set_activation_bits(bits)
+    wide = ops.quantized_linear(x, weight)
+    for rows in (1, 3, 8, 11):
+        narrow = ops.quantized_linear(x[:rows], weight)
+        error = relative_error(narrow, x[:rows].double() @ dense.T)
+        assert error < ROUNDING_BOUND[bits], rows
+        if bits == 8:
+            assert error > NARROW_BOUND  # the rounding really happened
+        assert relative_error(narrow, wide[:rows].double()) < NARROW_BOUND, rows
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-def test_activation_rounding_is_bit_identical_everywhere(isa: str, bits: int) -> None:
+def test_activation_rounding_is_bit_identical_everywhere(isa: str, bits: int,
+                                                         set_activation_bits: Callable[[int], None]) -> None:
     x = torch.randn(9, 256) * torch.logspace(-3, 3, 9)[:, None]
     x[2, :32] = 0.0  # an all-zero block: scale 0, values 0
-    try:
-        NATIVE.set_activation_bits(bits)
-        rounded = NATIVE.round_activations(x)
-    finally:
-        NATIVE.set_activation_bits(16)
+    set_activation_bits(bits)
+    rounded = NATIVE.round_activations(x)
     assert torch.equal(rounded, fallback.round_activations(x, bits))  # the pure-PyTorch path rounds alike
     top = 2 ** (bits - 1) - 1
     scales = x.reshape(9, 8, 32).abs().amax(-1, keepdim=True) / top

@@ -34,14 +34,6 @@ def _activation_bits() -> int:
     return activation_bits()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """The native RMSNorm for contiguous CPU float32 input, or None where it does not apply."""
-    module = native()
-    if module is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return None
-    return module.rms_norm(x.contiguous(), weight, eps)
-
-
 def _native_cpu_float32(*tensors: torch.Tensor) -> ModuleType | None:
     """The native module if it loaded and every tensor is a CPU float32 one (the fused ops' domain).
     A plain loop: this runs several times per layer of every step."""
@@ -52,6 +44,12 @@ def _native_cpu_float32(*tensors: torch.Tensor) -> ModuleType | None:
         if t.dtype is not torch.float32 or t.device.type != "cpu":
             return None
     return module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The native RMSNorm for contiguous CPU float32 input, or None where it does not apply."""
+    module = _native_cpu_float32(x, weight)
+    return None if module is None else module.rms_norm(x.contiguous(), weight, eps)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

@@ -122,7 +122,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm where native."""
-        fused = add_rms_norm(x, residual, self.weight, self.eps) if x.dtype == torch.float32 else None
+        fused = add_rms_norm(x, residual, self.weight, self.eps)
         if fused is not None:
             return fused
         total = residual + x

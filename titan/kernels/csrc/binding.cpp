@@ -4,7 +4,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -194,34 +193,6 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
         y.narrow(1, n0, rows).copy_(part);
     }
     return y;
-}
-
-// RMSNorm of float32 rows: at decode sizes (one row of ~1k floats) torch's composite op spends ~30 us in
-// dispatch and thread wake-ups for ~1 us of arithmetic. Sums of squares accumulate in double.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32 && x.is_contiguous() &&
-                    weight.is_contiguous() && x.size(-1) == weight.numel(),
-                "rms_norm takes contiguous float32 x [..., H] and weight [H]");
-    const int64_t H = weight.numel(), rows = x.numel() / std::max<int64_t>(H, 1);
-    auto out = torch::empty_like(x);
-    const float* xp = x.data_ptr<float>();
-    const float* wp = weight.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    auto body = [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; r++) {
-            const float* row = xp + r * H;
-            double squares = 0.0;
-            for (int64_t i = 0; i < H; i++) squares += (double)row[i] * row[i];
-            const float scale = (float)(1.0 / std::sqrt(squares / H + eps));
-            for (int64_t i = 0; i < H; i++) op[r * H + i] = row[i] * scale * wp[i];
-        }
-    };
-    if (rows < 64) {
-        body(0, rows);  // not worth waking the thread pool
-    } else {
-        at::parallel_for(0, rows, 16, body);
-    }
-    return out;
 }
 
 }  // namespace
