@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
-from common import cpu_description, write_result
+from common import cpu_description, timed, write_result
+from decode_latency import single_stream_gaps
 
 from titan.config_flags import engine_config
 from titan.engine.llm_engine import LLMEngine
@@ -46,25 +45,12 @@ def step(contexts: list[int], block_size: int, verify_rows: int = 0) -> Schedule
     return SchedulerOutput(scheduled=scheduled)
 
 
-def timed_attention(spent: list[float]) -> Callable[..., Any]:
-    original = llama.paged_attention
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - started
-
-    return wrapper
-
-
 def measure(engine: LLMEngine, output: SchedulerOutput, repeats: int) -> dict[str, dict[str, float]]:
     """Median step and attention milliseconds per path, the paths alternating step by step."""
     runner, spent = engine.runner, [0.0]
     samples: dict[str, tuple[list[float], list[float]]] = {path: ([], []) for path in PATHS}
     original = llama.paged_attention
-    llama.paged_attention = timed_attention(spent)
+    llama.paged_attention = timed(original, spent)
     try:
         for index in range(2 * (repeats + 2)):
             path = PATHS[index % 2]
@@ -84,14 +70,9 @@ def measure(engine: LLMEngine, output: SchedulerOutput, repeats: int) -> dict[st
 
 
 def itl_ms(engine: LLMEngine, context: int, tokens: int = 24) -> float:
-    """Median milliseconds between consecutive tokens of one greedy request with a `context`-token prompt."""
-    prompt = [(7 * i) % 40000 + 100 for i in range(context)]
-    engine.add_request(prompt, SamplingParams(max_tokens=tokens + 2, temperature=0.0, ignore_eos=True))
-    stamps = []
-    while engine.has_unfinished_requests():
-        if engine.step():
-            stamps.append(time.perf_counter())
-    return 1e3 * statistics.median(b - a for a, b in zip(stamps[2:], stamps[3:], strict=False))
+    """Median milliseconds between consecutive tokens of one greedy request with a `context`-token prompt
+    (the first gap, right after the prefill, left out)."""
+    return statistics.median(single_stream_gaps(engine, context, tokens + 1)[1:])
 
 
 def main() -> None:

@@ -145,26 +145,19 @@ def single_stream_gaps(engine: Any, context: int, decode_tokens: int) -> list[fl
 
 def step_overhead_ms(engine: Any, steps: int = 32) -> dict[str, float]:
     """A 1-token decode step (context 128) against the time inside its Linear and attention calls."""
+    from common import timed
+
     from titan import SamplingParams
     from titan.model import layers, llama
 
     spent = [0.0]
     original_forward, original_attention = layers.Linear.forward, llama.paged_attention
 
-    def timed(function):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - start
-        return wrapper
-
     prompt = [(5 * i) % 40000 + 100 for i in range(128)]
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill
     totals, kernels = [], []
-    layers.Linear.forward, llama.paged_attention = timed(original_forward), timed(original_attention)
+    layers.Linear.forward, llama.paged_attention = timed(original_forward, spent), timed(original_attention, spent)
     try:
         while engine.has_unfinished_requests():
             spent[0] = 0.0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import cpu_description, write_result
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from harness.server import REPO_ROOT, ServerProcess, free_port
+from titan.loader.resolve import default_model_path
+
 ANCHOR = REPO_ROOT.parent / "shared" / "anchors" / "llamacpp.sh"
 LLAMA_SERVER = Path(os.environ.get("LLAMACPP_HOME", Path.home() / ".cache/titan-anchors/llamacpp")) / \
     "src/build/bin/llama-server"
@@ -32,17 +34,11 @@ BENCH_ARGS = ["--max-concurrency", "1", "--num-requests", "12", "--input-len", "
               "--ignore-eos", "--temperature", "0"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, process: subprocess.Popen | None, limit_s: float = 600.0) -> None:
-    """Until /v1/models answers (bounded: a server that never comes up fails the run)."""
+def wait_ready(url: str, process: subprocess.Popen, limit_s: float = 600.0) -> None:
+    """Until llama-server's /v1/models answers (bounded: a server that never comes up fails the run)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
+        if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
@@ -69,48 +65,40 @@ def bench(url: str) -> dict[str, float]:
             "ttft_p50_ms": latency["ttft"]["p50"]}
 
 
-def titan_server(threads: int, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "titan.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--threads", str(threads)]
-    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def llama_server(threads: int, port: int) -> subprocess.Popen | None:
     if not LLAMA_SERVER.exists():
         return None
-    gguf = subprocess.run([sys.executable, "-c", "from titan.loader.resolve import default_model_path; "
-                           "print(default_model_path())"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    command = [str(LLAMA_SERVER), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-               "-c", "4096", "-np", "1"]
+    command = [str(LLAMA_SERVER), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(threads), "-c", "4096", "-np", "1"]
     env = {**os.environ, "LD_LIBRARY_PATH": str(LLAMA_SERVER.parent)}
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def measure(threads: int, rounds: int) -> dict[str, Any]:
     """Each server started once; the client runs alternate between them `rounds` times (medians kept)."""
-    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    titan = ServerProcess(["--threads", str(threads)], ready_timeout=600.0)
+    llama: subprocess.Popen | None = None
     try:
-        port = free_port()
-        servers["titan"] = (titan_server(threads, port), f"http://127.0.0.1:{port}")
+        urls = {"titan": titan.start().url}
         port = free_port()
         llama = llama_server(threads, port)
         if llama is not None:
-            servers["llama.cpp"] = (llama, f"http://127.0.0.1:{port}")
-        for process, url in servers.values():
-            wait_ready(url, process)
+            urls["llama.cpp"] = f"http://127.0.0.1:{port}"
+            wait_ready(urls["llama.cpp"], llama)
+        for url in urls.values():
             bench(url)  # warm-up round, not kept
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
         for _ in range(rounds):
-            for name, (_, url) in servers.items():
+            for name, url in urls.items():
                 runs[name].append(bench(url))
     finally:
-        for process, _ in servers.values():
-            process.terminate()
+        titan.stop()
+        if llama is not None:
+            llama.terminate()
             try:
-                process.wait(timeout=30)
+                llama.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                process.kill()
+                llama.kill()
     result: dict[str, Any] = {"threads": threads, "rounds": rounds, "client": " ".join(BENCH_ARGS)}
     for name, measured in runs.items():
         result[name] = {key: statistics.median(run[key] for run in measured)
@@ -140,8 +128,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", default="benchmarks/results/served_itl.json")
     args = parser.parse_args()
-    from common import cpu_description, write_result
-
     cpu = cpu_description()
     print(f"CPU: {cpu}")
     result = measure(args.threads, args.rounds)
@@ -150,5 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main()
