@@ -15,6 +15,7 @@ from titan.config import ModelConfig
 from titan.kernels import QuantizedTensor, cat_rows
 from titan.model.attention import AttentionMetadata, paged_attention
 from titan.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
+from titan.model.native_decoder import NativeDecoderStack
 from titan.model.rope import RotaryEmbedding, apply_rotary
 
 Device = torch.device | str | None
@@ -125,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
             device=device,
             dtype=dtype or torch.get_default_dtype(),
         )
+        # Built on the first step after weights and caches are in place (None: it cannot run here).
+        self._native_stack: NativeDecoderStack | None | bool = False
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Attach each layer's (key_cache, value_cache) [num_slots, num_kv_heads, head_dim]."""
@@ -132,12 +135,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.layers)} KV cache pairs, got {len(kv_caches)}")
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer.self_attn.kv_cache = kv_cache
+        self._native_stack = False
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention_metadata: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        if self._native_stack is False:
+            self._native_stack = NativeDecoderStack.for_model(self)
+        stack = self._native_stack
+        if isinstance(stack, NativeDecoderStack) and stack.applies(hidden, attention_metadata):
+            return stack(hidden, cos, sin, attention_metadata)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, attention_metadata)
@@ -186,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
             param.data = tensor.to(device=param.device, dtype=param.dtype).contiguous()
         if missing:
             raise ValueError(f"missing weights for: {', '.join(missing[:10])}")
+        self._native_stack = False
 
     def _load_quantized(self, target: str, param: nn.Parameter, parts: list) -> bool:
         """Hand quantized parts to their Linear/Embedding; False if they must be dequantized instead

@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "attention_ops.h"
+#include "decoder.h"
 #include "fused.h"
 #include "kernels.h"
+#include "linear_ops.h"
 
 namespace {
 
@@ -197,6 +199,12 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
 
 }  // namespace
 
+torch::Tensor quantized_gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K) {
+    return gemv(x, w, type, K);
+}
+
+std::string kernel_isa() { return table().name; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &set_isa, "select the kernel ISA: auto | generic | avx2 | avx512");
     m.def("get_isa", &get_isa, "the kernel ISA in use");
@@ -224,4 +232,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           }, "paged attention of decode rows and short chunks, reading K/V through the block table (csrc/attention_ops.h)",
           no_gil);
     m.def("write_kv", &titan_write_kv, "key/value rows into their cache slots");
+    m.def("decode_stack", &decode_stack, "every decoder layer of a narrow step in one call (csrc/decoder.h)", no_gil);
 }
