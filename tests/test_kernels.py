@@ -28,7 +28,7 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from titan.kernels import SUPPORTED_TYPES, QuantizedTensor, fallback, native, ops
+from titan.kernels import SUPPORTED_TYPES, QuantizedTensor, cat_rows, fallback, native, ops
 from titan.loader.resolve import default_model_path
 
 Q = gguf.GGMLQuantizationType
@@ -77,6 +77,16 @@ def quantized(raw: np.ndarray, kind: Q, cols: int) -> QuantizedTensor:
     return QuantizedTensor(torch.from_numpy(raw.copy()), int(kind), raw.shape[0], cols)
 
 
+def laid_out(weight: QuantizedTensor, interleaved: bool, isa: str) -> QuantizedTensor:
+    """The weight, or with `interleaved` its 8-row layout where the kernels have one (checked: it is made)."""
+    if not interleaved:
+        return weight
+    made = ops.interleave(weight)
+    expected = weight.ggml_type in INT_ACTIVATION_TYPES and weight.rows % 8 == 0 and isa != "generic"
+    assert made.interleaved == expected
+    return made
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
 
@@ -88,14 +98,18 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     NATIVE.set_isa("auto")
 
 
+LAYOUTS = pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "interleaved"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("kind", SUPPORTED_TYPES, ids=lambda k: k.name)
-def test_dequantize_is_exact(isa: str, kind: Q) -> None:
+def test_dequantize_is_exact(isa: str, kind: Q, interleaved: bool) -> None:
     cols = 512
-    raw = random_blocks(kind, 37, cols, seed=int(kind))
-    weight, expected = quantized(raw, kind, cols), reference(raw, kind)
+    raw = random_blocks(kind, 40, cols, seed=int(kind))
+    weight, expected = laid_out(quantized(raw, kind, cols), interleaved, isa), reference(raw, kind)
     assert torch.equal(ops.dequantize(weight), expected)
-    rows = torch.tensor([36, 0, 5, 5, 17])
-    assert torch.equal(ops.embedding(rows.view(1, 5), weight)[0], expected[rows])
+    rows = torch.tensor([36, 0, 5, 5, 17, 39])
+    assert torch.equal(ops.embedding(rows.view(2, 3), weight), expected[rows].view(2, 3, cols))
 
 
 @pytest.fixture(params=[16, 8, 0], ids=["int16-activations", "int8-activations", "float-activations"])
@@ -109,33 +123,36 @@ def rounded_reference_input(x: torch.Tensor, kind: Q, bits: int) -> torch.Tensor
     return fallback.round_activations(x, bits) if kind in INT_ACTIVATION_TYPES else x
 
 
+@LAYOUTS
 @pytest.mark.parametrize("kind", SUPPORTED_TYPES, ids=lambda k: k.name)
-def test_products_match_reference(isa: str, kind: Q, activation_bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_products_match_reference(isa: str, kind: Q, activation_bits: int, interleaved: bool,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     cols = 768
-    raw = random_blocks(kind, 70, cols, seed=100 + int(kind))
-    weight, dense = quantized(raw, kind, cols), reference(raw, kind).double()
+    raw = random_blocks(kind, 72, cols, seed=100 + int(kind))
+    weight, dense = laid_out(quantized(raw, kind, cols), interleaved, isa), reference(raw, kind).double()
     generator = torch.Generator().manual_seed(int(kind))
     for bf16 in (False, True):
         monkeypatch.setattr(ops, "wide_bf16", lambda bf16=bf16: bf16)
         for rows in ROW_COUNTS:
             x = torch.randn(rows, cols, generator=generator)
             actual = ops.quantized_linear(x, weight)
-            assert actual.shape == (rows, 70) and actual.dtype == torch.float32
+            assert actual.shape == (rows, 72) and actual.dtype == torch.float32
             bound = BF16_BOUND if bf16 and rows > ops.FUSED_MAX_ROWS else NARROW_BOUND
             expected = rounded_reference_input(x, kind, activation_bits).double() @ dense.T
             assert relative_error(actual, expected) < bound, (rows, bf16)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("kind", INT_ACTIVATION_TYPES, ids=lambda k: k.name)
-def test_activation_rounding_is_the_only_difference(isa: str, kind: Q, bits: int,
+def test_activation_rounding_is_the_only_difference(isa: str, kind: Q, bits: int, interleaved: bool,
                                                     set_activation_bits: Callable[[int], None]) -> None:
     """Against unrounded activations the error is the rounding's, within its stated bound; narrow (integer
     kernel) and wide (rounded floats into a GEMM) steps give a row the same numbers, so a row's output
     does not depend on the step it rides in."""
     cols = 768
-    raw = random_blocks(kind, 70, cols, seed=200 + int(kind))
-    weight, dense = quantized(raw, kind, cols), reference(raw, kind).double()
+    raw = random_blocks(kind, 72, cols, seed=200 + int(kind))
+    weight, dense = laid_out(quantized(raw, kind, cols), interleaved, isa), reference(raw, kind).double()
     x = torch.randn(ops.FUSED_MAX_ROWS + 8, cols, generator=torch.Generator().manual_seed(5))
     set_activation_bits(bits)
     wide = ops.quantized_linear(x, weight)
@@ -185,12 +202,14 @@ def real_tensors() -> dict[str, gguf.ReaderTensor]:
     return {tensor.name: tensor for tensor in reader.tensors if tensor.name in names}
 
 
+@LAYOUTS
 @pytest.mark.parametrize(
     "name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.ffn_gate.weight"]
 )
-def test_default_model_tensors(isa: str, name: str, real_tensors: dict[str, gguf.ReaderTensor]) -> None:
+def test_default_model_tensors(isa: str, name: str, interleaved: bool,
+                               real_tensors: dict[str, gguf.ReaderTensor]) -> None:
     tensor = real_tensors[name]
-    weight = QuantizedTensor.from_gguf(tensor)
+    weight = laid_out(QuantizedTensor.from_gguf(tensor), interleaved, isa)
     expected = reference(np.asarray(tensor.data), tensor.tensor_type)
     assert weight.type_name in ("Q4_1", "Q8_0")
     assert torch.equal(ops.dequantize(weight), expected)
@@ -268,3 +287,19 @@ def test_fused_layer_ops_match_torch(tokens: int) -> None:
     assert relative_error(fused[1], total) < NARROW_BOUND
     assert relative_error(fused[0], torch.nn.functional.rms_norm(total, (576,), weight.double(), 1e-5)) < NARROW_BOUND
     assert ops.silu_and_mul(gate_up.bfloat16()) is None  # only float32 CPU tensors take the native path
+
+
+@NEEDS_NATIVE
+def test_interleaving_is_refused_where_it_does_not_apply() -> None:
+    plain = quantized(random_blocks(Q.Q4_1, 12, 64, seed=9), Q.Q4_1, 64)
+    assert ops.interleave(plain) is plain  # 12 rows: not whole groups of 8
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        NATIVE.interleave(plain.data, plain.ggml_type, plain.cols)
+    k_quant = quantized(random_blocks(Q.Q4_K, 8, 256, seed=9), Q.Q4_K, 256)
+    assert ops.interleave(k_quant) is k_quant
+    made = ops.interleave(quantized(random_blocks(Q.Q8_0, 16, 64, seed=9), Q.Q8_0, 64))
+    if NATIVE.get_isa() != "generic":
+        assert made.interleaved
+        with pytest.raises(ValueError, match="interleaved"):
+            made.with_rows(made.data[:8])
+        assert cat_rows([made, made]) is None

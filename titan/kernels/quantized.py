@@ -16,12 +16,17 @@ SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K,
 
 @dataclass
 class QuantizedTensor:
-    """`data` is uint8 [rows, row_bytes]: each row is `cols` elements in whole blocks of `ggml_type`."""
+    """`data` is uint8 [rows, row_bytes]: each row is `cols` elements in whole blocks of `ggml_type`.
+
+    `interleaved`: the bytes are in the native kernels' 8-row layout (csrc/interleave.h, made by
+    `titan.kernels.ops.interleave`): the same bytes per group of 8 rows, transposed, so rows are no longer
+    slices of `data`; only the native kernels read such a tensor."""
 
     data: torch.Tensor
     ggml_type: int
     rows: int
     cols: int
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         block, block_bytes = gguf.GGML_QUANT_SIZES[Q(self.ggml_type)]
@@ -52,6 +57,8 @@ class QuantizedTensor:
 
     def with_rows(self, data: torch.Tensor) -> QuantizedTensor:
         """The same type and width over other rows of raw bytes (a permutation or a concatenation)."""
+        if self.interleaved:
+            raise ValueError("an interleaved tensor's rows are not slices of its bytes")
         return QuantizedTensor(data.contiguous(), self.ggml_type, data.shape[0], self.cols)
 
     def dequantize(self) -> torch.Tensor:
@@ -64,7 +71,7 @@ class QuantizedTensor:
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor | None:
     """Stack parts of one type and width into one tensor (fused q/k/v, gate/up); None if they differ."""
     first = parts[0]
-    if any(p.ggml_type != first.ggml_type or p.cols != first.cols for p in parts):
+    if any(p.ggml_type != first.ggml_type or p.cols != first.cols or p.interleaved for p in parts):
         return None
     return first.with_rows(torch.cat([p.data for p in parts]))
 
@@ -75,7 +82,7 @@ def weights_equal(a: torch.Tensor | QuantizedTensor, b: torch.Tensor | Quantized
         return (
             isinstance(a, QuantizedTensor)
             and isinstance(b, QuantizedTensor)
-            and (a.ggml_type, a.shape) == (b.ggml_type, b.shape)
+            and (a.ggml_type, a.shape, a.interleaved) == (b.ggml_type, b.shape, b.interleaved)
             and torch.equal(a.data, b.data)
         )
     return torch.equal(a, b)

@@ -13,6 +13,7 @@ from torch import nn
 
 from titan.config import ModelConfig
 from titan.kernels import QuantizedTensor, cat_rows
+from titan.kernels.ops import interleave
 from titan.model.attention import AttentionMetadata, paged_attention
 from titan.model.layers import Embedding, Linear, RMSNorm, silu_and_mul
 from titan.model.native_decoder import NativeDecoderStack
@@ -210,13 +211,16 @@ class LlamaForCausalLM(nn.Module):
         shape = torch.Size((sum(p.rows for p in parts), parts[0].cols))
         if shape != param.shape:
             raise ValueError(f"{target}: expected shape {tuple(param.shape)}, got {tuple(shape)}")
+        # The native kernels' 8-row layout where they have it (titan.kernels.ops.interleave); a tied
+        # lm_head shares the embedding's interleaved bytes, which lookups read through the inverse.
         if isinstance(module, Embedding):
-            module.load_quantized(parts[0])
+            table = interleave(parts[0])
+            module.load_quantized(table)
             if self.config.tie_word_embeddings:
-                self.lm_head.load_quantized(parts)
+                self.lm_head.load_quantized([table])
             return True
         fused = cat_rows(parts)
-        module.load_quantized([fused] if fused is not None else parts)
+        module.load_quantized([interleave(part) for part in ([fused] if fused is not None else parts)])
         return True
 
     @staticmethod

@@ -33,6 +33,7 @@ class NativeDecoderStack:
     module: ModuleType
     weights: list[torch.Tensor]
     types: list[int]
+    interleaved: list[bool]
     biases: list[torch.Tensor | None]
     norms: list[torch.Tensor]
     key_caches: list[torch.Tensor]
@@ -51,6 +52,7 @@ class NativeDecoderStack:
             return None
         weights: list[torch.Tensor] = []
         types: list[int] = []
+        interleaved: list[bool] = []
         biases: list[torch.Tensor | None] = []
         norms: list[torch.Tensor] = []
         key_caches: list[torch.Tensor] = []
@@ -62,6 +64,7 @@ class NativeDecoderStack:
                     return None
                 weights.append(linear.quantized[0].data)
                 types.append(linear.quantized[0].ggml_type)
+                interleaved.append(linear.quantized[0].interleaved)
                 biases.append(linear.bias)
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if attention.kv_cache is None:
@@ -72,9 +75,9 @@ class NativeDecoderStack:
         tensors = norms + key_caches + value_caches + [b for b in biases if b is not None]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
             return None
-        first = model.layers[0]
-        return cls(module, weights, types, biases, norms, key_caches, value_caches, first.self_attn.num_heads,
-                   first.self_attn.num_kv_heads, first.self_attn.scale, first.input_layernorm.eps)
+        first = model.layers[0].self_attn
+        return cls(module, weights, types, interleaved, biases, norms, key_caches, value_caches, first.num_heads,
+                   first.num_kv_heads, first.scale, model.layers[0].input_layernorm.eps)
 
     @staticmethod
     def applies(hidden: torch.Tensor, metadata: AttentionMetadata) -> bool:
@@ -89,6 +92,6 @@ class NativeDecoderStack:
         run = metadata.native_runs[0]
         return self.module.decode_stack(
             hidden.contiguous(), cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous(),
-            self.weights, self.types, self.biases, self.norms, self.key_caches, self.value_caches,
+            self.weights, self.types, self.interleaved, self.biases, self.norms, self.key_caches, self.value_caches,
             metadata.slot_mapping, run.block_tables, run.query_starts, run.context_lens, run.block_size,
             self.num_heads, self.num_kv_heads, self.scale, self.eps)

@@ -11,6 +11,7 @@
 #include "attention_ops.h"
 #include "decoder.h"
 #include "fused.h"
+#include "interleave.h"
 #include "kernels.h"
 #include "linear_ops.h"
 
@@ -114,8 +115,34 @@ torch::Tensor round_activations(const torch::Tensor& x) {
     return out;
 }
 
+int64_t block_bytes_of(int64_t type) { return type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34 : 18; }
+
+// Rows [i0, i1) (of `rows`, or all) of w dequantized to float32; interleaved weights row by row through
+// the inverse transpose.
+void dequant_rows(const KernelTable& t, int64_t type, const uint8_t* w, int64_t row_bytes, int64_t K,
+                  const int64_t* rows, int64_t i0, int64_t i1, float* out, bool interleaved) {
+    if (!interleaved) return t.dequant((int32_t)type, w, row_bytes, K, rows, i0, i1, out);
+    std::vector<uint8_t> row(row_bytes);
+    for (int64_t i = i0; i < i1; i++) {
+        interleaved_row(w, rows ? rows[i] : i, row_bytes, block_bytes_of(type), row.data());
+        t.dequant((int32_t)type, row.data(), row_bytes, K, nullptr, 0, 1, out + (i - i0) * K);
+    }
+}
+
+// The weight interleaved by 8 rows (interleave.h) for the narrow-step kernels, as a new tensor.
+torch::Tensor interleave(const torch::Tensor& w, int64_t type, int64_t K) {
+    check_weight(w, K);
+    TORCH_CHECK(interleavable((int32_t)type) && table().gemv_x8 != nullptr,
+                "interleaved kernels cover Q4_0, Q4_1 and Q8_0 on AVX2 / AVX-512 only");
+    TORCH_CHECK(w.size(0) % 8 == 0, "interleaving needs a multiple of 8 rows, not ", w.size(0));
+    TORCH_CHECK(w.size(1) == K / 32 * block_bytes_of(type), "row bytes do not match the type and width");
+    auto out = torch::empty_like(w);
+    interleave_rows8(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), w.size(0), w.size(1), block_bytes_of(type));
+    return out;
+}
+
 // x [M, K] float32 times weight [N, K]^T -> [M, N]; every weight byte read from memory once.
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K) {
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K, bool interleaved) {
     check_weight(w, K);
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1,
                 "x must be float32 [M, in_features] with unit inner stride");
@@ -124,6 +151,29 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
     const KernelTable& t = table();
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
+    if (interleaved) {
+        TORCH_CHECK(t.gemv_x8 != nullptr && N % 8 == 0, "interleaved weights need the AVX2 / AVX-512 kernels");
+        if (!rounds_activations(type)) {  // float activations (TITAN_ACTIVATION_BITS=0): dense, slowly
+            auto dense = torch::empty({N, K}, x.options());
+            dequant_rows(t, type, wp, row_bytes, K, nullptr, 0, N, dense.data_ptr<float>(), true);
+            return at::mm(x, dense.t());
+        }
+        const int bits = g_activation_bits, blocks = (int)(K / 32);
+        std::vector<int16_t> xq(M * K);
+        std::vector<float> xd(M * blocks), xs(M * blocks);
+        if (bits == 16) {
+            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, 16, xq.data(), xd.data(), xs.data(), nullptr);
+        } else {  // 8-bit rounding, widened: the interleaved kernels multiply 16-bit words
+            std::vector<int8_t> narrow(M * K);
+            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, 8, narrow.data(), xd.data(), xs.data(), nullptr);
+            std::copy(narrow.begin(), narrow.end(), xq.begin());
+        }
+        const int64_t groups = N / 8, threads = std::max<int64_t>(1, at::get_num_threads());
+        at::parallel_for(0, groups, std::max<int64_t>(1, groups / (threads * 8)), [&](int64_t g0, int64_t g1) {
+            t.gemv_x8((int32_t)type, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, g0, g1);
+        });
+        return y;
+    }
     if (rounds_activations(type) && t.gemv_int != nullptr) {
         const int bits = g_activation_bits;
         std::vector<int16_t> xq(M * K);  // int16, or int8 in the first half
@@ -145,7 +195,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
 }
 
 // The whole weight (rows == None) or the given rows, dequantized to float32 [rows, K].
-torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const c10::optional<torch::Tensor>& rows) {
+torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const c10::optional<torch::Tensor>& rows,
+                         bool interleaved) {
     check_weight(w, K);
     const int64_t row_bytes = w.size(1);
     const int64_t* rp = nullptr;
@@ -165,7 +216,7 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const 
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, count, grain_for(count), [&](int64_t i0, int64_t i1) {
-        t.dequant((int32_t)type, wp, row_bytes, K, rp, i0, i1, op + i0 * K);
+        dequant_rows(t, type, wp, row_bytes, K, rp, i0, i1, op + i0 * K, interleaved);
     });
     return out;
 }
@@ -173,7 +224,7 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const 
 // Wide steps: dequantize `tile_rows` weight rows at a time (kept cache-sized) and multiply them with x in
 // one GEMM per tile, in float32 or, where the caller chose it, bfloat16.
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K, int64_t tile_rows,
-                   bool use_bf16) {
+                   bool use_bf16, bool interleaved) {
     check_weight(w, K);
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [M, in_features]");
     const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
@@ -188,7 +239,13 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
         const int64_t rows = std::min(tile_rows, N - n0);
         float* tp = tile.data_ptr<float>();
         at::parallel_for(0, rows, grain_for(rows), [&](int64_t i0, int64_t i1) {
-            t.dequant((int32_t)type, wp + n0 * row_bytes, row_bytes, K, nullptr, i0, i1, tp + i0 * K);
+            if (interleaved) {  // rows of an interleaved matrix: rebuilt one at a time from their groups
+                std::vector<int64_t> ids(i1 - i0);
+                for (int64_t i = i0; i < i1; i++) ids[i - i0] = n0 + i;
+                dequant_rows(t, type, wp, row_bytes, K, ids.data(), 0, i1 - i0, tp + i0 * K, true);
+            } else {
+                t.dequant((int32_t)type, wp + n0 * row_bytes, row_bytes, K, nullptr, i0, i1, tp + i0 * K);
+            }
         });
         auto wt = tile.narrow(0, 0, rows);
         auto part = use_bf16 ? at::mm(xin, wt.to(torch::kBFloat16).t()).to(torch::kFloat32) : at::mm(xin, wt.t());
@@ -199,8 +256,9 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
 
 }  // namespace
 
-torch::Tensor quantized_gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K) {
-    return gemv(x, w, type, K);
+torch::Tensor quantized_gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K,
+                             bool interleaved) {
+    return gemv(x, w, type, K, interleaved);
 }
 
 std::string kernel_isa() { return table().name; }
@@ -212,10 +270,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The matrix products release the GIL, as torch's own ops do: the server's event loop (SSE writes,
     // tokenizing) runs on another core meanwhile instead of waiting for the interpreter's switch interval.
     const auto no_gil = py::call_guard<py::gil_scoped_release>();
-    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)", no_gil);
+    m.def("gemv", &gemv, "fused dequantize-and-dot (narrow steps)", py::arg("x"), py::arg("w"), py::arg("type"),
+          py::arg("K"), py::arg("interleaved") = false, no_gil);
     m.def("dequantize", &dequantize, "dequantize all or some rows to float32", py::arg("w"), py::arg("type"),
-          py::arg("K"), py::arg("rows") = py::none());
-    m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps", no_gil);
+          py::arg("K"), py::arg("rows") = py::none(), py::arg("interleaved") = false);
+    m.def("gemm", &gemm, "dequantized tiles into a GEMM for wide steps", py::arg("x"), py::arg("w"), py::arg("type"),
+          py::arg("K"), py::arg("tile_rows"), py::arg("use_bf16"), py::arg("interleaved") = false, no_gil);
+    m.def("interleave", &interleave, "Q4_0 / Q4_1 / Q8_0 rows interleaved by 8 for the narrow-step kernels");
     m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
     m.def("set_activation_bits", &set_activation_bits,
           "Q4_0/Q4_1/Q8_0 weights: round activations per block to 16- or 8-bit integers (0: float32)");

@@ -11,9 +11,9 @@
 
 namespace {
 
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, int64_t type, bool interleaved,
                       const c10::optional<torch::Tensor>& bias) {
-    torch::Tensor y = quantized_gemv(x, w, type, x.size(1));
+    torch::Tensor y = quantized_gemv(x, w, type, x.size(1), interleaved);
     return bias.has_value() ? y + *bias : y;  // out-of-place, as Linear.forward adds it
 }
 
@@ -21,6 +21,7 @@ torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, int64_t ty
 
 torch::Tensor decode_stack(const torch::Tensor& embeddings, const torch::Tensor& cos, const torch::Tensor& sin,
                            const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& types,
+                           const std::vector<bool>& interleaved,
                            const std::vector<c10::optional<torch::Tensor>>& biases,
                            const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& key_caches,
                            const std::vector<torch::Tensor>& value_caches, const torch::Tensor& slot_mapping,
@@ -29,8 +30,9 @@ torch::Tensor decode_stack(const torch::Tensor& embeddings, const torch::Tensor&
                            int64_t num_kv_heads, double scale, double eps) {
     const int64_t L = (int64_t)key_caches.size();
     TORCH_CHECK(L > 0 && (int64_t)value_caches.size() == L, "one key and one value cache per layer");
-    TORCH_CHECK((int64_t)weights.size() == 4 * L && (int64_t)types.size() == 4 * L && (int64_t)biases.size() == 4 * L,
-                "four matrices (qkv, o, gate_up, down), types and biases per layer");
+    TORCH_CHECK((int64_t)weights.size() == 4 * L && (int64_t)types.size() == 4 * L && (int64_t)biases.size() == 4 * L &&
+                    (int64_t)interleaved.size() == 4 * L,
+                "four matrices (qkv, o, gate_up, down), types, layouts and biases per layer");
     TORCH_CHECK((int64_t)norms.size() == 2 * L + 1, "two norms per layer and a final one");
     TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == torch::kFloat32 && embeddings.is_contiguous(),
                 "embeddings must be contiguous float32 [T, hidden]");
@@ -39,6 +41,9 @@ torch::Tensor decode_stack(const torch::Tensor& embeddings, const torch::Tensor&
     const std::string isa = kernel_isa();
 
     torch::Tensor hidden = embeddings, residual, normed;
+    auto linear = [&](const torch::Tensor& x, int64_t i) {
+        return project(x, weights[i], types[i], interleaved[i], biases[i]);
+    };
     for (int64_t l = 0; l < L; l++) {
         if (l == 0) {
             residual = hidden;  // the first layer starts from the embeddings (see LlamaDecoderLayer)
@@ -48,7 +53,7 @@ torch::Tensor decode_stack(const torch::Tensor& embeddings, const torch::Tensor&
             normed = pair[0];
             residual = pair[1];
         }
-        const torch::Tensor qkv = project(normed, weights[4 * l], types[4 * l], biases[4 * l]);
+        const torch::Tensor qkv = linear(normed, 4 * l);
         TORCH_CHECK(qkv.size(1) == width, "layer ", l, ": qkv has ", qkv.size(1), " columns, expected ", width);
         // q and k are adjacent in the fused output: one rotary pass over both; v is read in place.
         const torch::Tensor rotated = rotary(qkv.as_strided({T, num_heads + num_kv_heads, D}, {width, D, 1}), cos, sin);
@@ -58,11 +63,11 @@ torch::Tensor decode_stack(const torch::Tensor& embeddings, const torch::Tensor&
         const torch::Tensor attended =
             titan_paged_attention(isa, rotated.narrow(1, 0, num_heads), key_caches[l], value_caches[l], block_tables,
                                   query_starts, context_lens, block_size, scale);
-        const torch::Tensor out = project(attended, weights[4 * l + 1], types[4 * l + 1], biases[4 * l + 1]);
+        const torch::Tensor out = linear(attended, 4 * l + 1);
         auto pair = add_rms_norm(out, residual, norms[2 * l + 1], eps);
         residual = pair[1];
-        const torch::Tensor gate_up = project(pair[0], weights[4 * l + 2], types[4 * l + 2], biases[4 * l + 2]);
-        hidden = project(silu_and_mul(gate_up), weights[4 * l + 3], types[4 * l + 3], biases[4 * l + 3]);
+        const torch::Tensor gate_up = linear(pair[0], 4 * l + 2);
+        hidden = linear(silu_and_mul(gate_up), 4 * l + 3);
     }
     return add_rms_norm(hidden, residual, norms[2 * L], eps)[0];
 }

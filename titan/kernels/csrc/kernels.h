@@ -27,6 +27,10 @@ struct KernelTable {
     // xs [M, K/32] scale * sum of the block's xq. Integer dot products; nullptr on the generic ISA.
     void (*gemv_int)(int32_t type, int bits, const uint8_t* w, int64_t row_bytes, int64_t K, const void* xq,
                      const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
+    // As gemv_int over weights interleaved by 8 rows (interleave.h) with 16-bit activations, for row
+    // groups [g0, g1) (output rows 8 g0 .. 8 g1). nullptr on the generic ISA.
+    void (*gemv_x8)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int16_t* xq,
+                    const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1);
     // out[(i - i0) * K ..] = row (rows ? rows[i] : i) of w dequantized, for i in [i0, i1).
     void (*dequant)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows,
                     int64_t i0, int64_t i1, float* out);

@@ -4,8 +4,10 @@
 
 #include <string>
 
-// x [M, K] float32 times the quantized weight [N, K]^T -> [M, N] (the narrow-step kernel; binding.cpp).
-torch::Tensor quantized_gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K);
+// x [M, K] float32 times the quantized weight [N, K]^T -> [M, N] (the narrow-step kernel; binding.cpp);
+// `interleaved`: w is in the 8-row layout of interleave.h.
+torch::Tensor quantized_gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K,
+                             bool interleaved);
 
 // The ISA name set_isa chose ("avx512", "avx2", "generic").
 std::string kernel_isa();

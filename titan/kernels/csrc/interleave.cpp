@@ -1,0 +1,29 @@
+// The 8-row interleaved weight layout (interleave.h): a transpose of 2-byte words, block by block.
+#include "interleave.h"
+
+#include <cstring>
+
+#include "kernels.h"
+
+bool interleavable(int32_t type) { return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0; }
+
+void interleave_rows8(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes, int64_t block_bytes) {
+    const int64_t blocks = row_bytes / block_bytes, words = block_bytes / 2;
+    for (int64_t g = 0; g < rows / 8; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t* unit = dst + g * 8 * row_bytes + b * 8 * block_bytes;
+            for (int64_t r = 0; r < 8; r++) {
+                const uint8_t* block = src + (8 * g + r) * row_bytes + b * block_bytes;
+                for (int64_t w = 0; w < words; w++) std::memcpy(unit + 16 * w + 2 * r, block + 2 * w, 2);
+            }
+        }
+}
+
+void interleaved_row(const uint8_t* w, int64_t row, int64_t row_bytes, int64_t block_bytes, uint8_t* out) {
+    const int64_t blocks = row_bytes / block_bytes, words = block_bytes / 2, r = row % 8;
+    const uint8_t* group = w + (row / 8) * 8 * row_bytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t* unit = group + b * 8 * block_bytes;
+        for (int64_t i = 0; i < words; i++) std::memcpy(out + b * block_bytes + 2 * i, unit + 16 * i + 2 * r, 2);
+    }
+}
