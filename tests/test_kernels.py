@@ -303,3 +303,24 @@ def test_interleaving_is_refused_where_it_does_not_apply() -> None:
         with pytest.raises(ValueError, match="interleaved"):
             made.with_rows(made.data[:8])
         assert cat_rows([made, made]) is None
+
+
+@NEEDS_NATIVE
+def test_products_do_not_depend_on_the_thread_count() -> None:
+    """The narrow-step products run on the chunk-claiming pool (csrc/pool.h): every output comes from one
+    thread's whole computation, so 1, 2 or 4 threads (more than this machine may have) agree bit for bit,
+    job after job, through the pool's sleep and wake-up cycles."""
+    cols = 512
+    weights = [laid_out(quantized(random_blocks(kind, rows, cols, seed=rows), kind, cols), True, NATIVE.get_isa())
+               for kind, rows in ((Q.Q4_1, 4096), (Q.Q8_0, 968), (Q.Q4_0, 64))]
+    inputs = [torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) for rows in (1, 3, 9)]
+    before = torch.get_num_threads()
+    results: dict[int, list[torch.Tensor]] = {}
+    try:
+        for threads in (1, 2, 4, 2):
+            torch.set_num_threads(threads)
+            results[threads] = [ops.quantized_linear(x, w) for _ in range(3) for w in weights for x in inputs]
+    finally:
+        torch.set_num_threads(before)
+    for threads in (2, 4):
+        assert all(torch.equal(a, b) for a, b in zip(results[1], results[threads], strict=True)), threads

@@ -19,10 +19,11 @@ from types import ModuleType
 logger = logging.getLogger("titan.kernels")
 
 _SOURCES = ("binding.cpp", "fused.cpp", "isa_generic.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "attention_binding.cpp",
-            "decoder.cpp", "interleave.cpp",
+            "decoder.cpp", "interleave.cpp", "pool.cpp",
             "attention_generic.cpp", "attention_avx2.cpp", "attention_avx512.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.inc", "kernels_int.inc", "fused.h", "attention.h", "attention_ops.h",
-            "attention_impl.inc", "decoder.h", "linear_ops.h", "interleave.h", "kernels_x8.inc")
+            "attention_impl.inc", "decoder.h", "linear_ops.h", "interleave.h", "kernels_x8.inc",
+            "pool.h")
 _CSRC = Path(__file__).parent / "csrc"
 ISA_ENV = "TITAN_KERNEL_ISA"  # auto | generic | avx2 | avx512 | torch (the pure-PyTorch fallback)
 ISA_CHOICES = ("auto", "generic", "avx2", "avx512", "torch")

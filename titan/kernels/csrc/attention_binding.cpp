@@ -11,6 +11,7 @@
 
 #include "attention.h"
 #include "attention_ops.h"
+#include "pool.h"
 
 namespace {
 
@@ -174,11 +175,8 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
         for (int64_t i = 0; i < count; i++) order[i] = i;
         auto cost = [&](int64_t i) { return (jobs[i].end - jobs[i].begin) * jobs[i].rows; };
         std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
-        std::atomic<int64_t> next{0};
-        // ATen's OpenMP parallel_for is header-only: it runs in parallel only where this unit is compiled
-        // with -fopenmp (measured with it: 2 threads 1.9x at context 4096; without it, serially, same plan).
-        at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
-            for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) table.attend(jobs[order[i]]);
+        parallel_chunks(count, 1, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; i++) table.attend(jobs[order[i]]);
         });
     }
 

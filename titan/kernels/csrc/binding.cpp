@@ -14,6 +14,7 @@
 #include "interleave.h"
 #include "kernels.h"
 #include "linear_ops.h"
+#include "pool.h"
 
 namespace {
 
@@ -169,7 +170,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
             std::copy(narrow.begin(), narrow.end(), xq.begin());
         }
         const int64_t groups = N / 8, threads = std::max<int64_t>(1, at::get_num_threads());
-        at::parallel_for(0, groups, std::max<int64_t>(1, groups / (threads * 8)), [&](int64_t g0, int64_t g1) {
+        parallel_chunks(groups, std::max<int64_t>(1, groups / (threads * 8)), [&](int64_t g0, int64_t g1) {
             t.gemv_x8((int32_t)type, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, g0, g1);
         });
         return y;
@@ -179,7 +180,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
         std::vector<int16_t> xq(M * K);  // int16, or int8 in the first half
         std::vector<float> xd(M * (K / 32)), xs(M * (K / 32));
         t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, bits, xq.data(), xd.data(), xs.data(), nullptr);
-        at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
+        parallel_chunks(N, grain_for(N), [&](int64_t n0, int64_t n1) {
             t.gemv_int((int32_t)type, bits, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1);
         });
         return y;
@@ -188,7 +189,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
     const torch::Tensor xin = rounds_activations(type) ? round_activations(x) : x;
     const float* xp = xin.data_ptr<float>();
     const int64_t ldx = xin.stride(0);
-    at::parallel_for(0, N, grain_for(N), [&](int64_t n0, int64_t n1) {
+    parallel_chunks(N, grain_for(N), [&](int64_t n0, int64_t n1) {
         t.gemv((int32_t)type, wp, row_bytes, K, xp, ldx, M, yp, N, n0, n1);
     });
     return y;
