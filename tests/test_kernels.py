@@ -1,5 +1,5 @@
 """Quantized kernels against gguf's reference dequantization, on random blocks of every format, on every
-ISA path this CPU can run (generic, avx2, avx512 — forced one after another), and on the default model's
+ISA path this CPU can run (generic, avx2, avx512, avx512vnni — forced one after another), and on the default model's
 real tensors. The references are gguf.quants (the format authors' NumPy code), never our own code.
 
 Error bounds (max |y - y_ref| / max |y_ref|, y_ref = x @ dequantize(w).T in float64):
@@ -39,6 +39,7 @@ ISAS = [
     pytest.param("generic", marks=NEEDS_NATIVE),
     pytest.param("avx2", marks=pytest.mark.skipif("avx2" not in FEATURES, reason="CPU lacks AVX2")),
     pytest.param("avx512", marks=pytest.mark.skipif("avx512bw" not in FEATURES, reason="CPU lacks AVX-512")),
+    pytest.param("avx512vnni", marks=pytest.mark.skipif("avx512vnni" not in FEATURES, reason="CPU lacks AVX-512 VNNI")),
 ]
 NARROW_BOUND = 1e-5
 BF16_BOUND = 2e-2
@@ -240,7 +241,7 @@ def test_unsupported_isa_request_is_refused() -> None:
     if "avx512f" not in FEATURES:
         with pytest.raises(RuntimeError, match="lacks"):
             NATIVE.set_isa("avx512")
-    assert NATIVE.get_isa() in ("generic", "avx2", "avx512")
+    assert NATIVE.get_isa() in ("generic", "avx2", "avx512", "avx512vnni")
 
 
 @NEEDS_NATIVE

@@ -18,15 +18,16 @@ from types import ModuleType
 
 logger = logging.getLogger("titan.kernels")
 
-_SOURCES = ("binding.cpp", "fused.cpp", "isa_generic.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "attention_binding.cpp",
+_SOURCES = ("binding.cpp", "fused.cpp", "isa_generic.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512vnni.cpp",
+            "attention_binding.cpp",
             "decoder.cpp", "interleave.cpp", "pool.cpp",
             "attention_generic.cpp", "attention_avx2.cpp", "attention_avx512.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.inc", "kernels_int.inc", "fused.h", "attention.h", "attention_ops.h",
             "attention_impl.inc", "decoder.h", "linear_ops.h", "interleave.h", "kernels_x8.inc",
             "pool.h")
 _CSRC = Path(__file__).parent / "csrc"
-ISA_ENV = "TITAN_KERNEL_ISA"  # auto | generic | avx2 | avx512 | torch (the pure-PyTorch fallback)
-ISA_CHOICES = ("auto", "generic", "avx2", "avx512", "torch")
+ISA_ENV = "TITAN_KERNEL_ISA"  # auto | generic | avx2 | avx512 | avx512vnni | torch (the pure-PyTorch fallback)
+ISA_CHOICES = ("auto", "generic", "avx2", "avx512", "avx512vnni", "torch")
 # Q4_0/Q4_1/Q8_0 weights multiply activations rounded per block of 32 to integers of this many bits, in
 # every step (integer dot products in narrow steps): 16 (default; teacher-forced top-1 agreement with the
 # float32 model 100%), 8 (llama.cpp's scheme, ~10% faster decode kernels, 96.9%: this model's normed
@@ -133,7 +134,7 @@ def native_error() -> str | None:
 
 
 def backend_name() -> str:
-    """What runs quantized layers: 'native-avx512', 'native-avx2', 'native-generic' or 'torch'."""
+    """What runs quantized layers: 'native-avx512vnni', 'native-avx512', 'native-avx2', 'native-generic' or 'torch'."""
     module = native()
     return f"native-{module.get_isa()}" if module is not None else "torch"
 

@@ -27,7 +27,7 @@ constexpr int64_t kJobsPerThread = 2;
 constexpr int64_t kInlinePairs = 2048;
 
 const AttentionTable& attention_table(const std::string& isa) {
-    if (isa == "avx512") return kAttentionAvx512;
+    if (isa == "avx512" || isa == "avx512vnni") return kAttentionAvx512;  // VNNI adds nothing to attention
     if (isa == "avx2") return kAttentionAvx2;
     return kAttentionGeneric;
 }

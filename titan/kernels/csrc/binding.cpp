@@ -29,7 +29,10 @@ bool cpu_has_avx512() {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
+bool cpu_has_avx512vnni() { return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+
 const KernelTable* best_table() {
+    if (cpu_has_avx512vnni()) return &kAvx512VnniTable;
     if (cpu_has_avx512()) return &kAvx512Table;
     if (cpu_has_avx2()) return &kAvx2Table;
     return &kGenericTable;
@@ -52,8 +55,11 @@ std::string set_isa(const std::string& name) {
     } else if (name == "avx512") {
         TORCH_CHECK(cpu_has_avx512(), "this CPU lacks AVX-512 F/BW/VL/DQ");
         g_table = &kAvx512Table;
+    } else if (name == "avx512vnni") {
+        TORCH_CHECK(cpu_has_avx512vnni(), "this CPU lacks AVX-512 F/BW/VL/DQ + VNNI");
+        g_table = &kAvx512VnniTable;
     } else {
-        TORCH_CHECK(false, "unknown ISA '", name, "' (auto, generic, avx2, avx512)");
+        TORCH_CHECK(false, "unknown ISA '", name, "' (auto, generic, avx2, avx512, avx512vnni)");
     }
     return g_table->name;
 }
@@ -265,7 +271,7 @@ torch::Tensor quantized_gemv(const torch::Tensor& x, const torch::Tensor& w, int
 std::string kernel_isa() { return table().name; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("set_isa", &set_isa, "select the kernel ISA: auto | generic | avx2 | avx512");
+    m.def("set_isa", &set_isa, "select the kernel ISA: auto | generic | avx2 | avx512 | avx512vnni");
     m.def("get_isa", &get_isa, "the kernel ISA in use");
     m.def("cpu_features", &cpu_features, "SIMD features this CPU reports");
     // The matrix products release the GIL, as torch's own ops do: the server's event loop (SSE writes,

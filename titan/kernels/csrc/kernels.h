@@ -43,3 +43,4 @@ struct KernelTable {
 extern const KernelTable kGenericTable;
 extern const KernelTable kAvx2Table;
 extern const KernelTable kAvx512Table;
+extern const KernelTable kAvx512VnniTable;
