@@ -79,10 +79,15 @@ class NativeDecoderStack:
         return cls(module, weights, types, interleaved, biases, norms, key_caches, value_caches, first.num_heads,
                    first.num_kv_heads, first.scale, model.layers[0].input_layernorm.eps)
 
-    @staticmethod
-    def applies(hidden: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """A narrow step whose rows are all one native attention run."""
-        if hidden.shape[0] > FUSED_MAX_ROWS or metadata.prefills or len(metadata.native_runs) != 1:
+    @property
+    def max_rows(self) -> int:
+        """Rows the stack takes: any number where every product has the interleaved integer kernel (it
+        is the fastest at every width), else a narrow step's (wider ones go to the GEMM path)."""
+        return 1 << 30 if all(self.interleaved) else FUSED_MAX_ROWS
+
+    def applies(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """A step whose rows are all one native attention run (decode and short-chunk rows only)."""
+        if hidden.shape[0] > self.max_rows or metadata.prefills or len(metadata.native_runs) != 1:
             return False
         run = metadata.native_runs[0]
         return run.row_start == 0 and run.row_end == hidden.shape[0] and hidden.dtype == torch.float32

@@ -140,7 +140,7 @@ def build_app(
 
     @app.get("/version", responses=answers(VersionInfo))
     async def version() -> dict[str, str]:
-        # quantized_kernels: native-avx512 | native-avx2 | native-generic | torch (fallback) | unused
+        # quantized_kernels: native-{avx512vnni,avx512,avx2,generic} | torch (fallback) | unused
         return {"version": titan_version(), "quantized_kernels": kernels.status()}
 
     @app.get("/metrics", responses={401: ERROR_RESPONSES[401], 200: {
