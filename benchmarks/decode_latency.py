@@ -4,7 +4,8 @@ Each mode runs in a fresh child process (so cold start and RSS are its own), one
 - cold start: process spawn -> engine loaded -> first token of a 16-token prompt (no warm-up);
 - RSS at ready (--kv-cache-memory 0.25, after warm-up);
 - single-stream inter-token latency P50/P99 at contexts 128, 1024 and 4096;
-- per-step overhead: a 1-token decode step's time outside the linear and attention kernels;
+- per-step overhead: a 1-token decode step's time outside its native calls (the decoder stack, or each
+  linear and attention call, and the lm_head);
 - output tok/s at 1, 4, 16 and 64 concurrent streams (32-token prompts, 32 output tokens) and for the
   burst of 32 x (150 in, 64 out);
 plus, once, this CPU's model and SIMD flags, the measured memory read bandwidth, and the fraction of the
@@ -144,20 +145,23 @@ def single_stream_gaps(engine: Any, context: int, decode_tokens: int) -> list[fl
 
 
 def step_overhead_ms(engine: Any, steps: int = 32) -> dict[str, float]:
-    """A 1-token decode step (context 128) against the time inside its Linear and attention calls."""
+    """A 1-token decode step (context 128) against the time inside its native calls: the decoder stack
+    (every layer in one call, titan/model/native_decoder.py) where it runs, else each Linear and attention
+    call, plus the lm_head. What is left is Python: scheduling, metadata, sampling, commit, observers."""
     from common import timed
 
     from titan import SamplingParams
-    from titan.model import layers, llama
+    from titan.model import layers, llama, native_decoder
 
     spent = [0.0]
-    original_forward, original_attention = layers.Linear.forward, llama.paged_attention
+    stack = native_decoder.NativeDecoderStack
+    originals = layers.Linear.forward, llama.paged_attention, stack.__call__
 
     prompt = [(5 * i) % 40000 + 100 for i in range(128)]
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill
     totals, kernels = [], []
-    layers.Linear.forward, llama.paged_attention = timed(original_forward, spent), timed(original_attention, spent)
+    layers.Linear.forward, llama.paged_attention, stack.__call__ = (timed(f, spent) for f in originals)
     try:
         while engine.has_unfinished_requests():
             spent[0] = 0.0
@@ -166,7 +170,7 @@ def step_overhead_ms(engine: Any, steps: int = 32) -> dict[str, float]:
             totals.append(time.perf_counter() - start)
             kernels.append(spent[0])
     finally:
-        layers.Linear.forward, llama.paged_attention = original_forward, original_attention
+        layers.Linear.forward, llama.paged_attention, stack.__call__ = originals
     overheads = sorted((t - k) * 1e3 for t, k in zip(totals, kernels, strict=True))
     return {"median": statistics.median(overheads), "step_median": statistics.median(totals) * 1e3}
 
@@ -250,7 +254,7 @@ def report(results: dict[str, dict[str, Any]]) -> None:
     row("bandwidth floor per step", quantized["bandwidth_floor_ms"], reference["bandwidth_floor_ms"], "ms", ".2f")
     row("fraction of floor reached (ctx 128)", quantized["bandwidth_floor_fraction"],
         reference["bandwidth_floor_fraction"], "", ".2f", higher_is_better=True)
-    row("1-token step outside lin/attn kernels", quantized["step_overhead_ms"]["median"],
+    row("1-token step outside native calls", quantized["step_overhead_ms"]["median"],
         reference["step_overhead_ms"]["median"], "ms", ".2f")
     row("1-token step total (ctx 128)", quantized["step_overhead_ms"]["step_median"],
         reference["step_overhead_ms"]["step_median"], "ms", ".2f")
