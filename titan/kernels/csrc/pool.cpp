@@ -12,7 +12,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -125,7 +124,9 @@ const bool g_pool_enabled = [] {
 }();
 
 std::mutex g_call_mutex;
-std::unique_ptr<Pool> g_pool;
+// Never destroyed: at process exit a daemon thread (the server's engine thread) may still be inside a job,
+// and a pool torn down by static destructors under it would be freed memory. The OS ends its threads.
+Pool* g_pool = nullptr;
 thread_local bool t_in_job = false;  // a body that calls parallel_chunks runs that job inline
 
 }  // namespace
@@ -141,9 +142,9 @@ void parallel_chunks(int64_t total, int64_t chunk, const std::function<void(int6
     struct Reset {
         ~Reset() { t_in_job = false; }
     } reset;
-    if (g_pool == nullptr || g_pool->workers() != workers) {
-        g_pool.reset();
-        g_pool = std::make_unique<Pool>(workers);
+    if (g_pool == nullptr || g_pool->workers() != workers) {  // --threads changed: no job runs meanwhile
+        delete g_pool;
+        g_pool = new Pool(workers);
     }
     g_pool->run(total, chunk, body);
 }
