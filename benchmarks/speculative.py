@@ -13,7 +13,12 @@ seeded requests must). No smaller model with SmolLM2's tokenizer ships offline, 
 the default model drafting for itself: exact, never faster, and a test that the adaptive rule counts a
 draft model's own cost and turns speculation off instead of losing.
 
-    .venv/bin/python benchmarks/speculative.py [--threads N] [--quick] [--output FILE.json]
+    .venv/bin/python benchmarks/speculative.py [--threads N] [--quick] [--rounds R] [--workloads A,B]
+                                              [--output FILE.json]
+
+With `--rounds R` every workload runs R times, the servers' order rotating each round; a config's ratio
+to off is taken within each round (the two measured minutes apart, not tens of minutes) and reported as
+the median with its range, so the machine's drift does not pass for a speed-up.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from typing import Any
 
@@ -130,6 +136,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="--threads of every server (default: all cores)")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every workload, servers in rotating order")
+    parser.add_argument("--workloads", default=None, help="comma-separated subset of the workload names")
     parser.add_argument("--output", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
@@ -140,6 +148,12 @@ def main() -> None:
         "open-ended x16": (open_bodies(32 // scale), 16),
         "burst 32": (burst_bodies(32), 32),
     }
+    if args.workloads:
+        wanted = [name.strip() for name in args.workloads.split(",")]
+        unknown = [name for name in wanted if name not in workloads]
+        if unknown:
+            parser.error(f"unknown workloads {unknown}; known: {', '.join(workloads)}")
+        workloads = {name: workloads[name] for name in wanted}
     common_args = [] if args.threads is None else ["--threads", str(args.threads)]
     servers = {}
     try:
@@ -149,39 +163,64 @@ def main() -> None:
         # Warm every server (and the adaptive cost model) on a few requests that are not measured.
         for server in servers.values():
             asyncio.run(run_load(server, copy_bodies(2) + open_bodies(2), 2))
-        rows: dict[str, dict[str, Any]] = {}
+        rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        names = list(servers)
         for workload, (bodies, concurrency) in workloads.items():
-            for name, server in servers.items():
-                before = spec_counters(server)
-                result = asyncio.run(run_load(server, bodies, concurrency))
-                after = spec_counters(server)
-                drafts, accepted = after[0] - before[0], after[1] - before[1]
-                result["acceptance"] = round(accepted / drafts, 3) if drafts else None
-                result["draft_tokens"] = int(drafts)
-                rows.setdefault(workload, {})[name] = result
-                print(f"{workload:15s} {name:20s} {result['output_tok_s']:7.1f} tok/s  "
-                      f"TPOT {result['tpot_ms_p50']:6.1f}/{result['tpot_ms_p99']:6.1f} ms  "
-                      f"ITL {result['itl_ms_p50']:6.1f}/{result['itl_ms_p99']:6.1f} ms  "
-                      f"acceptance {result['acceptance']}  failed {result['failed']}", flush=True)
+            for round_index in range(args.rounds):
+                shift = round_index % len(names)
+                for name in names[shift:] + names[:shift]:
+                    result = measure(servers[name], bodies, concurrency)
+                    rows.setdefault(workload, {}).setdefault(name, []).append(result)
+                    print(f"{workload:15s} {name:20s} {result['output_tok_s']:7.1f} tok/s  "
+                          f"TPOT {result['tpot_ms_p50']:6.1f}/{result['tpot_ms_p99']:6.1f} ms  "
+                          f"ITL {result['itl_ms_p50']:6.1f}/{result['itl_ms_p99']:6.1f} ms  "
+                          f"acceptance {result['acceptance']}  failed {result['failed']}", flush=True)
     finally:
         for server in servers.values():
             server.stop()
-    summary = {}
-    for workload, by_config in rows.items():
-        base = by_config["off"]
-        base_texts = base["texts"]
-        summary[workload] = {}
-        for name, result in by_config.items():
-            identical = result.pop("texts") == base_texts
-            summary[workload][name] = {**result, "speedup": round(result["output_tok_s"] / base["output_tok_s"], 3),
-                                       "outputs_identical": identical}
-    print(f"\n{cpu_description()}\n{'workload':15s} {'config':20s} {'tok/s':>7s} {'x off':>6s} {'accept':>6s} same")
+    summary = {workload: summarize(by_config) for workload, by_config in rows.items()}
+    print(f"\n{cpu_description()}  ({args.rounds} round{'s' if args.rounds > 1 else ''}; ratio: median of "
+          f"per-round ratios to off [range])\n{'workload':15s} {'config':20s} {'tok/s':>7s} {'x off':>6s} "
+          f"{'range':>11s} {'accept':>6s} same")
     for workload, by_config in summary.items():
         for name, result in by_config.items():
             acceptance = "-" if result["acceptance"] is None else result["acceptance"]
+            low, high = result["speedup_range"]
             print(f"{workload:15s} {name:20s} {result['output_tok_s']:7.1f} {result['speedup']:6.2f} "
-                  f"{acceptance:>6} {result['outputs_identical']}")
-    write_result(args.output, {"cpu": cpu_description(), "threads": args.threads, "results": summary})
+                  f"{low:5.2f}-{high:<5.2f} {acceptance:>6} {result['outputs_identical']}")
+    write_result(args.output, {"cpu": cpu_description(), "threads": args.threads, "rounds": args.rounds,
+                               "results": summary})
+
+
+def measure(server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """One run of a workload on one server, with the acceptance its spec-decode counters saw meanwhile."""
+    before = spec_counters(server)
+    result = asyncio.run(run_load(server, bodies, concurrency))
+    after = spec_counters(server)
+    drafts, accepted = after[0] - before[0], after[1] - before[1]
+    result["acceptance"] = round(accepted / drafts, 3) if drafts else None
+    result["draft_tokens"] = int(drafts)
+    return result
+
+
+def summarize(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per config: median tok/s, the median and range of its per-round ratios to off, pooled acceptance,
+    and whether every round's outputs equal off's."""
+    base = by_config["off"]
+    summary = {}
+    for name, runs in by_config.items():
+        ratios = [run["output_tok_s"] / off["output_tok_s"] for run, off in zip(runs, base, strict=True)]
+        drafts = sum(run["draft_tokens"] for run in runs)
+        accepted = sum((run["acceptance"] or 0.0) * run["draft_tokens"] for run in runs)
+        summary[name] = {
+            "output_tok_s": round(statistics.median(run["output_tok_s"] for run in runs), 2),
+            "speedup": round(statistics.median(ratios), 3),
+            "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "acceptance": round(accepted / drafts, 3) if drafts else None,
+            "outputs_identical": all(run["texts"] == off["texts"] for run, off in zip(runs, base, strict=True)),
+            "runs": [{key: value for key, value in run.items() if key != "texts"} for run in runs],
+        }
+    return summary
 
 
 if __name__ == "__main__":
