@@ -78,7 +78,12 @@ def test_greedy_output_is_identical_with_every_option(engines: dict[str, LLM]) -
                     assert [t for t, _ in a.top] == [t for t, _ in e.top]
         accepted = sum(output.timeline["accepted_draft_tokens"] for output in outputs)
         drafted = sum(output.timeline["draft_tokens"] for output in outputs)
-        assert 0 < accepted < drafted, name  # speculation really ran, and was sometimes wrong
+        assert 0 < accepted <= drafted, name  # speculation really ran
+        # ...and was sometimes wrong. Not asked of the adaptive planner: how much it drafts follows the
+        # measured step costs, so on a fast or a loaded machine it may draft only what it is sure of (seen:
+        # 11 drafted, 11 accepted); the fixed-k and draft engines exercise rejection every run.
+        if name != "adaptive":
+            assert accepted < drafted, name
         if name == "draft":
             assert accepted > 0.6 * drafted
     # The option that stops on a string stopped on it in every engine, and min_tokens held.
