@@ -24,7 +24,6 @@ FUSED_MAX_ROWS = 16
 WIDE_BF16_ENV = "TITAN_WIDE_BF16"
 # 0 keeps Q4_0 / Q4_1 / Q8_0 weights in their row layout (the row kernels run): for A/B measurements.
 INTERLEAVE_ENV = "TITAN_INTERLEAVE"
-INTERLEAVED_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
 @functools.cache
@@ -87,8 +86,9 @@ def interleave(weight: QuantizedTensor) -> QuantizedTensor:
     multiple of 8, an AVX2 or AVX-512 CPU): 1.6x faster decode products on one thread, and each extra row
     of a narrow step costs a fraction of the first. Otherwise the weight itself."""
     module = native()
-    if module is None or weight.interleaved or weight.ggml_type not in INTERLEAVED_TYPES or weight.rows % 8 \
-            or module.get_isa() == "generic" or os.environ.get(INTERLEAVE_ENV, "1") == "0":
+    # The types with integer kernels are the ones whose activations are rounded.
+    if module is None or weight.interleaved or weight.ggml_type not in fallback.ROUNDS_ACTIVATIONS \
+            or weight.rows % 8 or module.get_isa() == "generic" or os.environ.get(INTERLEAVE_ENV, "1") == "0":
         return weight
     return QuantizedTensor(module.interleave(weight.data, weight.ggml_type, weight.cols), weight.ggml_type,
                            weight.rows, weight.cols, interleaved=True)

@@ -8,6 +8,7 @@ kernels in the same order, so its numbers are the layer-by-layer path's, bit for
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -79,7 +80,7 @@ class NativeDecoderStack:
         return cls(module, weights, types, interleaved, biases, norms, key_caches, value_caches, first.num_heads,
                    first.num_kv_heads, first.scale, model.layers[0].input_layernorm.eps)
 
-    @property
+    @functools.cached_property
     def max_rows(self) -> int:
         """Rows the stack takes: any number where every product has the interleaved integer kernel (it
         is the fastest at every width), else a narrow step's (wider ones go to the GEMM path)."""

@@ -148,6 +148,28 @@ torch::Tensor interleave(const torch::Tensor& w, int64_t type, int64_t K) {
     return out;
 }
 
+// Rows of x rounded per block of 32 as the integer kernels take them: q [M, K] (int16, or int8 packed in
+// the first half unless `widen`, which stores 8-bit values as int16 words), block scales d and d * sum(q).
+struct RoundedRows {
+    std::vector<int16_t> q;
+    std::vector<float> d, s;
+
+    RoundedRows(const KernelTable& t, const torch::Tensor& x, int64_t K, int bits, bool widen)
+        : q(x.size(0) * K), d(x.size(0) * (K / 32)), s(x.size(0) * (K / 32)) {
+        const int64_t M = x.size(0);
+        if (bits == 8 && widen) {
+            std::vector<int8_t> narrow(M * K);
+            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, 8, narrow.data(), d.data(), s.data(), nullptr);
+            std::copy(narrow.begin(), narrow.end(), q.begin());
+        } else {
+            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, bits, q.data(), d.data(), s.data(), nullptr);
+        }
+    }
+};
+
+torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K, int64_t tile_rows,
+                   bool use_bf16, bool interleaved);
+
 // x [M, K] float32 times weight [N, K]^T -> [M, N]; every weight byte read from memory once.
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K, bool interleaved) {
     check_weight(w, K);
@@ -160,34 +182,21 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
     float* yp = y.data_ptr<float>();
     if (interleaved) {
         TORCH_CHECK(t.gemv_x8 != nullptr && N % 8 == 0, "interleaved weights need the AVX2 / AVX-512 kernels");
-        if (!rounds_activations(type)) {  // float activations (TITAN_ACTIVATION_BITS=0): dense, slowly
-            auto dense = torch::empty({N, K}, x.options());
-            dequant_rows(t, type, wp, row_bytes, K, nullptr, 0, N, dense.data_ptr<float>(), true);
-            return at::mm(x, dense.t());
-        }
-        const int bits = g_activation_bits, blocks = (int)(K / 32);
-        std::vector<int16_t> xq(M * K);
-        std::vector<float> xd(M * blocks), xs(M * blocks);
-        if (bits == 16) {
-            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, 16, xq.data(), xd.data(), xs.data(), nullptr);
-        } else {  // 8-bit rounding, widened: the interleaved kernels multiply 16-bit words
-            std::vector<int8_t> narrow(M * K);
-            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, 8, narrow.data(), xd.data(), xs.data(), nullptr);
-            std::copy(narrow.begin(), narrow.end(), xq.begin());
-        }
+        // Float activations (TITAN_ACTIVATION_BITS=0): the whole matrix dequantized into one GEMM, slowly.
+        if (!rounds_activations(type)) return gemm(x, w, type, K, N, false, true);
+        // 8-bit rounding is widened: the interleaved kernels multiply 16-bit words.
+        const RoundedRows xr(t, x, K, g_activation_bits, true);
         const int64_t groups = N / 8, threads = std::max<int64_t>(1, at::get_num_threads());
         parallel_chunks(groups, std::max<int64_t>(1, groups / (threads * 8)), [&](int64_t g0, int64_t g1) {
-            t.gemv_x8((int32_t)type, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, g0, g1);
+            t.gemv_x8((int32_t)type, wp, row_bytes, K, xr.q.data(), xr.d.data(), xr.s.data(), M, yp, N, g0, g1);
         });
         return y;
     }
     if (rounds_activations(type) && t.gemv_int != nullptr) {
         const int bits = g_activation_bits;
-        std::vector<int16_t> xq(M * K);  // int16, or int8 in the first half
-        std::vector<float> xd(M * (K / 32)), xs(M * (K / 32));
-        t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, bits, xq.data(), xd.data(), xs.data(), nullptr);
+        const RoundedRows xr(t, x, K, bits, false);
         parallel_chunks(N, grain_for(N), [&](int64_t n0, int64_t n1) {
-            t.gemv_int((int32_t)type, bits, wp, row_bytes, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1);
+            t.gemv_int((int32_t)type, bits, wp, row_bytes, K, xr.q.data(), xr.d.data(), xr.s.data(), M, yp, N, n0, n1);
         });
         return y;
     }
@@ -246,13 +255,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
         const int64_t rows = std::min(tile_rows, N - n0);
         float* tp = tile.data_ptr<float>();
         at::parallel_for(0, rows, grain_for(rows), [&](int64_t i0, int64_t i1) {
-            if (interleaved) {  // rows of an interleaved matrix: rebuilt one at a time from their groups
-                std::vector<int64_t> ids(i1 - i0);
-                for (int64_t i = i0; i < i1; i++) ids[i - i0] = n0 + i;
-                dequant_rows(t, type, wp, row_bytes, K, ids.data(), 0, i1 - i0, tp + i0 * K, true);
-            } else {
-                t.dequant((int32_t)type, wp + n0 * row_bytes, row_bytes, K, nullptr, i0, i1, tp + i0 * K);
-            }
+            dequant_rows(t, type, wp, row_bytes, K, nullptr, n0 + i0, n0 + i1, tp + i0 * K, interleaved);
         });
         auto wt = tile.narrow(0, 0, rows);
         auto part = use_bf16 ? at::mm(xin, wt.to(torch::kBFloat16).t()).to(torch::kFloat32) : at::mm(xin, wt.t());
