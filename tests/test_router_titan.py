@@ -226,35 +226,71 @@ def test_a_draining_backend_gets_no_new_requests(fleet: Fleet) -> None:
     servers = fleet.alive()
     victim = servers[2]
     with RouterProcess([server.url for server in servers], ["--policy", "least-load", *ROUTER_ARGS]) as router:
-        # A long generation keeps the victim draining (SIGTERM lets accepted requests finish).
-        results: list[Outcome] = []
-        long_request = threading.Thread(target=lambda: results.append(
-            run_request(victim.url, "Tell me a long story.", stream=True, max_tokens=150)))
-        long_request.start()
-        deadline = time.monotonic() + 30
-        while scrape(victim.url).get("titan:num_requests_running", 0) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        # Two streams accepted before SIGTERM: `holder` keeps the victim draining until this test hangs up
+        # (2,000 tokens against the 6 two-token requests below: bounded by counts, not by how fast decode
+        # is), `accepted` must be finished in full (SIGTERM lets accepted requests finish).
+        holder, accepted = HeldStream(victim.url, max_tokens=2000), HeldStream(victim.url, max_tokens=150)
+        holder.began.wait(60)
+        accepted.began.wait(60)
+        assert holder.outcome.began_streaming and accepted.outcome.began_streaming
         victim.terminate()
         deadline = time.monotonic() + 5
         while backend_state(router, name_of(victim))["ready"]:
             assert time.monotonic() < deadline, "the router kept a draining backend in its pool"
             time.sleep(0.05)
-        assert victim.process is not None and victim.process.poll() is None, "the victim should still be draining"
         sent_before = scrape(router.url)[f"titan_router:requests_total|backend={name_of(victim)}"]
         outcomes = [run_request(router.url, f"Question {index}: what is {index} + 1?", stream=index % 2 == 0,
                                 max_tokens=2) for index in range(6)]
         metrics = scrape(router.url)
-        assert victim.process.poll() is None, "the drain ended before the requests were sent: test proves nothing"
-        long_request.join(120)
+        assert victim.process is not None and victim.process.poll() is None, "the drain ended early"
+        assert not holder.finished.is_set(), "the holder's 2,000 tokens ended first: the test proves nothing"
+        holder.hang_up.set()  # the server aborts it; the drain then ends once `accepted` is done
+        accepted.finished.wait(120)
+        holder.finished.wait(120)
     assert all(outcome.ok for outcome in outcomes), [outcome.error for outcome in outcomes]
     assert name_of(victim) not in {outcome.backend for outcome in outcomes}
     assert metrics[f"titan_router:requests_total|backend={name_of(victim)}"] == sent_before
     assert metrics["titan_router:retries_total"] == 0  # not even tried: it had left the pool
     # least-load read the survivors' queues from their /metrics.
     assert metrics[f"titan_router:backend_waiting|backend={name_of(servers[0])}"] >= 0
-    assert results and results[0].ok, "the draining backend must finish what it had accepted"
-    assert victim.wait(30) == 0
+    assert accepted.outcome.ok, f"the draining backend must finish what it had accepted: {accepted.outcome.error}"
+    assert victim.wait(60) == 0
+
+
+class HeldStream(threading.Thread):
+    """A streamed completion read event by event until it ends or `hang_up` is set (then the client
+    closes the connection, as a user who gives up would)."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.outcome = Outcome(True, time.monotonic())
+        self.began, self.finished, self.hang_up = threading.Event(), threading.Event(), threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        body = {"prompt": "Tell me a long story.", "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as reply:
+                for line in reply.iter_lines():
+                    if line == "data: [DONE]":
+                        self.outcome.ok = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.outcome.error = event["error"]["message"]
+                        elif any(choice["text"] for choice in event["choices"]):
+                            self.outcome.began_streaming = True
+                            self.began.set()
+                    if self.hang_up.is_set():
+                        return
+            if not self.outcome.ok:
+                self.outcome.error = self.outcome.error or "stream ended without [DONE]"
+        except (httpx.HTTPError, json.JSONDecodeError) as error:
+            self.outcome.error = f"{type(error).__name__}: {error}"
+        finally:
+            self.began.set()
+            self.finished.set()
 
 
 def test_killing_a_backend_under_load_fails_only_streams_already_begun(fleet: Fleet) -> None:

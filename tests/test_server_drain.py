@@ -12,9 +12,12 @@ import httpx
 from harness.server import ServerProcess
 
 DRAIN_TIMEOUT = 8.0
+# Outlasts the drain timeout by counts, not by speed: 7,000 tokens take over 20 s on any CPU we know of,
+# and the 0.4 GiB cache (~9,000 tokens) holds them.
+LONG_TOKENS = 7000
 # Tiny step shapes keep warm-up short; this server only needs a few sequences.
 SERVER_ARGS = ["--model", "default", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
-               "--kv-cache-memory", "0.1", "--drain-timeout", str(DRAIN_TIMEOUT)]
+               "--kv-cache-memory", "0.4", "--drain-timeout", str(DRAIN_TIMEOUT)]
 
 
 class StreamReader(threading.Thread):
@@ -57,7 +60,7 @@ def test_sigterm_drains_then_exits_zero() -> None:
     server = ServerProcess(SERVER_ARGS).start()
     try:
         short = [StreamReader(server.url, max_tokens=4) for _ in range(2)]
-        long = StreamReader(server.url, max_tokens=1500)
+        long = StreamReader(server.url, max_tokens=LONG_TOKENS)
         readers = [*short, long]
         for reader in readers:
             reader.start()
@@ -87,7 +90,7 @@ def test_sigterm_drains_then_exits_zero() -> None:
         for reader in short:  # accepted before SIGTERM: finished in full
             assert reader.finish_reason == "length" and reader.completion_tokens == 4
         # Still running at the drain timeout: ended cleanly with finish_reason "abort".
-        assert long.finish_reason == "abort" and 0 < long.completion_tokens < 1500
+        assert long.finish_reason == "abort" and 0 < long.completion_tokens < LONG_TOKENS
         # It waited for the drain timeout (never less: the long request was still running), then aborted.
         assert exited >= DRAIN_TIMEOUT - 0.5
         log = server.log()

@@ -47,7 +47,7 @@ from titan.server.completions import create_completion
 from titan.server.errors import bad_request, install_error_handlers, validation_error
 from titan.server.gateway import Gateway
 from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
-from titan.server.middleware import APIKeyCheck, BodySizeLimit
+from titan.server.middleware import APIKeyCheck, BodySizeLimit, OpenResponseCount
 from titan.server.openapi import DEBUG_ERRORS, ERROR_RESPONSES, install_openapi, json_body
 from titan.server.protocol import (
     ChatCompletionRequest,
@@ -199,14 +199,8 @@ def build_app(
         check_token_ids(body.tokens, info.vocab_size, param="tokens")
         return {"prompt": info.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    # `state.handling` counts handlers between arrival and their requests reaching the engine, so a
-    # drain that waits for it and for the engine's in-flight count never misses one in between.
     async def generate(request: Request, schema: type[Body], create: Callable[..., Awaitable[Response]]) -> Response:
-        state.handling += 1
-        try:
-            return await create(state, await parse_body(request, schema), request)
-        finally:
-            state.handling -= 1
+        return await create(state, await parse_body(request, schema), request)
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
               responses={**answers(CompletionResponse, streams=True), **ERROR_RESPONSES})
@@ -220,6 +214,7 @@ def build_app(
 
     install_dashboard(app, ServerDashboard(engine, dashboard or DashboardSettings()).data)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    app.add_middleware(OpenResponseCount, counter=state.responses)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if gateway is not None and gateway.flights is not None:
         app.add_middleware(FlightRelease, flights=gateway.flights)

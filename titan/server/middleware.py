@@ -84,3 +84,30 @@ class APIKeyCheck:
                                  [(b"www-authenticate", b"Bearer")])
                 return
         await self.app(scope, receive, send)
+
+
+class OpenResponseCount:
+    """Counts generation requests (`POST /v1/...`) from arrival until their last byte is handed to the
+    transport: a streamed response outlives its engine request, so a drain that waited only for the
+    engine would shut down with the stream's tail still unsent."""
+
+    def __init__(self, app: ASGIApp, counter: ResponseCounter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        self.counter.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter.open -= 1
+
+
+class ResponseCounter:
+    """How many generation responses are open (one event loop: a plain int is enough)."""
+
+    def __init__(self) -> None:
+        self.open = 0

@@ -99,7 +99,7 @@ class Lifecycle:
             say(f"drain timeout: aborting {engine.num_in_flight} requests")
             engine.abort_all()
             abort_deadline = time.monotonic() + GRACEFUL_CLOSE_SECONDS
-            while engine.num_in_flight and time.monotonic() < abort_deadline:
+            while state.busy and time.monotonic() < abort_deadline:
                 await asyncio.sleep(0.02)
         say("drained; shutting down")
         self.server.should_exit = True

@@ -24,6 +24,7 @@ from titan.engine.scheduler_output import TokenLogprobs
 from titan.server.async_engine import AsyncEngine, EngineFailed, EngineRequest, OutputStream, RequestRejected
 from titan.server.errors import APIError, bad_request, error_body
 from titan.server.limits import DEFAULT_MAX_SEQUENCES_PER_REQUEST
+from titan.server.middleware import ResponseCounter
 from titan.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -48,12 +49,14 @@ class ServerState:
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls out of the model's text (tools.py)
     log_requests: bool = False  # log each generation request's shape and sampling parameters at INFO
     draining: bool = False
-    handling: int = 0  # generation handlers that have not yet handed their requests to the engine
+    # Generation responses from arrival to their last byte: a drain waits for these, not only for the
+    # engine's requests (a stream's tail is still being written after its request finished).
+    responses: ResponseCounter = field(default_factory=ResponseCounter)
     started: float = field(default_factory=time.time)
 
     @property
     def busy(self) -> bool:
-        return self.handling > 0 or self.engine.num_in_flight > 0
+        return self.responses.open > 0 or self.engine.num_in_flight > 0
 
     @property
     def model_name(self) -> str:
