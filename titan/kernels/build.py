@@ -9,6 +9,7 @@ runtime, so one build serves AVX2-only and AVX-512 machines alike.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -84,11 +85,29 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _load_built(library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("titan_qkernels", library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _compile() -> ModuleType:
+    folder = _build_dir()
+    # The folder is keyed by the sources, flags and torch version, so a library in it is this build:
+    # load it directly (~1 ms) instead of through cpp_extension.load (~0.2 s of every cold start for
+    # importing setuptools and asking ninja, which also rebuilds when another checkout's paths differ).
+    library = folder / "titan_qkernels.so"
+    if library.exists():
+        try:
+            return _load_built(library)
+        except ImportError:
+            pass  # a build interrupted mid-link: build it again below
     from torch.utils import cpp_extension
 
     _ensure_ninja_on_path()
-    folder = _build_dir()
     return cpp_extension.load(
         name="titan_qkernels",
         sources=[str(_CSRC / name) for name in _SOURCES],

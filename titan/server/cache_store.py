@@ -11,10 +11,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
-
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from typing import Any, Protocol
 
 from titan.server.gateway_metrics import GatewayMetrics
 
@@ -107,6 +104,17 @@ class BackendHealth:
             logger.warning("cache backend %s is back for %s", self.backend, self.what)
 
 
+def connect_redis(url: str, timeout_seconds: float) -> tuple[Any, tuple[type[BaseException], ...]]:
+    """An asyncio client for `url` (no connection yet) and the errors its calls raise. redis is imported
+    here, not with the module: it is ~0.1 s of every cold start, and most servers use no Redis."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    client = aioredis.from_url(url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
+                               retry_on_timeout=False)
+    return client, (RedisError, OSError)
+
+
 class RedisStore:
     """Redis (`--cache-url redis://...`): SET with PX for the TTL; the memory bound is Redis's `maxmemory`."""
 
@@ -115,8 +123,7 @@ class RedisStore:
     def __init__(self, url: str, metrics: GatewayMetrics, cache: str = "result", prefix: str = "titan:cache:",
                  timeout_seconds: float = 0.25, retry_seconds: float = 1.0) -> None:
         self.cache = cache  # which cache this store serves (result | semantic): a metrics label
-        self.client = aioredis.from_url(url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
-                                        retry_on_timeout=False)
+        self.client, self.errors = connect_redis(url, timeout_seconds)
         self.url = url
         self.prefix = prefix
         self.health = BackendHealth(metrics, cache, f"the {cache} cache", "serving without it", self.name,
@@ -136,7 +143,7 @@ class RedisStore:
             return None
         try:
             value = await self.client.get(self.prefix + key)
-        except (RedisError, OSError) as error:
+        except self.errors as error:
             self._failed(error)
             return None
         self._succeeded()
@@ -147,7 +154,7 @@ class RedisStore:
             return
         try:
             await self.client.set(self.prefix + key, value, px=max(1, int(ttl_seconds * 1000)))
-        except (RedisError, OSError) as error:
+        except self.errors as error:
             self._failed(error)
             return
         self._succeeded()
@@ -155,5 +162,5 @@ class RedisStore:
     async def close(self) -> None:
         try:
             await self.client.aclose()
-        except (RedisError, OSError):
+        except self.errors:
             pass

@@ -17,10 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
-from titan.server.cache_store import BackendHealth
+from titan.server.cache_store import BackendHealth, connect_redis
 from titan.server.gateway_metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -157,8 +154,7 @@ class RedisQuota:
 
     def __init__(self, url: str, metrics: GatewayMetrics, timeout_seconds: float = 0.25,
                  retry_seconds: float = 1.0, prefix: str = "titan:tenant:") -> None:
-        self.client = aioredis.from_url(url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
-                                        retry_on_timeout=False)
+        self.client, self.errors = connect_redis(url, timeout_seconds)
         self.prefix = prefix
         self.fallback = MemoryQuota()
         self.health = BackendHealth(metrics, "tenant_quota", "tenant quotas",
@@ -187,7 +183,7 @@ class RedisQuota:
             refused, requests, tokens = await self._admit(
                 keys=[self.key(tenant, "requests"), self.key(tenant, "tokens")],
                 args=[caps.get("requests", 0), caps.get("tokens", 0), int(generation)])
-        except (TimeoutError, RedisError, OSError) as error:
+        except self.errors as error:  # TimeoutError is an OSError
             self.health.failed(error)
             return await self.fallback.admit(tenant, generation)
         self.health.succeeded()
@@ -205,7 +201,7 @@ class RedisQuota:
             return await self.fallback.charge(tenant, amount)
         try:
             level = await self._charge(keys=[self.key(tenant, "tokens")], args=[capacity, amount])
-        except (TimeoutError, RedisError, OSError) as error:
+        except self.errors as error:  # TimeoutError is an OSError
             self.health.failed(error)
             return await self.fallback.charge(tenant, amount)
         self.health.succeeded()
@@ -216,5 +212,5 @@ class RedisQuota:
     async def close(self) -> None:
         try:
             await self.client.aclose()
-        except (RedisError, OSError):
+        except self.errors:
             pass
