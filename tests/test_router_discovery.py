@@ -216,6 +216,40 @@ def test_the_system_resolver_runs_on_the_event_loop() -> None:
         asyncio.run(dns_resolver()("no-such-host.invalid", 8000))
 
 
+def test_discovered_names_feed_the_model_pools() -> None:
+    """`--discover-dns primary=... --discover-dns fallback=...`: each name's addresses join its pool, and
+    the degrader sees them (its routing decision itself is tested on real servers in test_router_pools)."""
+    port = free_port()
+    answers = {"big-headless": ["127.0.0.2", "127.0.0.3"], "small-headless": ["127.0.0.4"]}
+
+    async def resolve(host: str, port: int) -> Iterable[str]:
+        return list(answers[host])
+
+    config = build_config({"discover_interval": 3600.0, "health_interval": 0.05},
+                          {"discover_dns": [f"big-headless:{port}", f"fallback=small-headless:{port}"]})
+    assert [(target.host, target.pool) for target in config.discover_dns] == \
+        [("big-headless", "primary"), ("small-headless", "fallback")]
+
+    async def scenario() -> None:
+        app = RouterApp(config, resolver=resolve)
+        await app.startup()
+        try:
+            assert app.degrader is not None
+            pools = {backend.name: backend.pool for backend in app.pool.backends}
+            assert pools == {f"127.0.0.2:{port}": "primary", f"127.0.0.3:{port}": "primary",
+                             f"127.0.0.4:{port}": "fallback"}
+            # A fallback replica joins later: it lands in the fallback pool, never in the primary.
+            answers["small-headless"].append("127.0.0.5")
+            assert await app.discovery.refresh() == ([f"127.0.0.5:{port}"], [])  # type: ignore[union-attr]
+            assert [backend.name for backend in app.degrader.members("fallback")] == \
+                [f"127.0.0.4:{port}", f"127.0.0.5:{port}"]
+            assert len(app.degrader.members("primary")) == 2
+        finally:
+            await app.shutdown()
+
+    asyncio.run(scenario())
+
+
 # ---- settings ----------------------------------------------------------------------------------------------
 
 def test_discovery_settings_from_flags_and_file() -> None:
@@ -247,8 +281,14 @@ def test_discovery_settings_from_flags_and_file() -> None:
     ({"discover_dns": ["a:1"], "discover_interval": 0}, "discover_interval must be positive"),
     ({"discover_dns": ["a:1"], "discover_family": "ipv5"}, "discover_family"),
     ({"discover_dns": []}, "no backends"),
+    ({"discover_dns": ["canary=a:1"]}, "pool is primary or fallback"),
+    ({"discover_dns": ["fallback=a:1"]}, "both need a backend or a DNS name"),
+    ({"discover_dns": ["fallback=a:1", "b:2"], "pools": ["fallback=http://c:3"]}, None),
 ])
-def test_bad_discovery_settings_are_rejected(settings: dict[str, object], message: str) -> None:
+def test_bad_discovery_settings_are_rejected(settings: dict[str, object], message: str | None) -> None:
+    if message is None:  # the control: a fallback name plus an unnamed one (primary) is a valid pair
+        assert {target.pool for target in build_config(settings, {}).discover_dns} == {"primary", "fallback"}
+        return
     with pytest.raises(ConfigError, match=message):
         build_config(settings, {})
 

@@ -60,7 +60,7 @@ class RouterApp:
         self.dashboard = DashboardRoutes(self)
         self.degrader = (Degrader(self.pool, self.metrics.registry, config.interactive_ttft_slo_ms / 1000,
                                   config.batch_ttft_slo_ms / 1000)
-                         if any(spec.pool for spec in config.backends) else None)
+                         if any(source.pool for source in [*config.backends, *config.discover_dns]) else None)
 
     # ---- lifespan ------------------------------------------------------------------------------
     async def startup(self) -> None:

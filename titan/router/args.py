@@ -27,10 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default=None, help=f"(default {DEFAULTS.policy})")
     discovery = parser.add_argument_group("discovery (e.g. an autoscaled Deployment's pods behind a headless Service)")
     discovery.add_argument("--discover-dns", action="append", default=None, dest="discover_dns",
-                           metavar="HOST:PORT",
+                           metavar="[POOL=]HOST:PORT",
                            help="a DNS name whose A/AAAA records are backends (plain http on PORT), re-resolved "
                                 "periodically: addresses join and leave the pool as they come and go "
-                                "(repeatable; combines with --backend)")
+                                "(repeatable; combines with --backend); with model pools, POOL (primary or "
+                                "fallback, default primary) is the one its backends join")
     discovery.add_argument("--discover-interval", type=float, default=None, metavar="SECONDS",
                            help=f"seconds between resolutions (default {DEFAULTS.discover_interval:g})")
     discovery.add_argument("--discover-family", choices=ADDRESS_FAMILIES, default=None,
@@ -89,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pools = parser.add_argument_group("model pools: degrade to a faster model under load")
     pools.add_argument("--pool", action="append", default=None, dest="pools", metavar="NAME=URL[,URL...]",
                        help="backends of the primary or the fallback pool (repeatable; --backend URLs join "
-                            "primary); batch requests, and interactive ones sending 'X-Titan-Allow-Degrade: true', "
+                            "primary; --discover-dns fallback=HOST:PORT discovers a pool's backends); batch requests, "
+                            "and interactive ones sending 'X-Titan-Allow-Degrade: true', "
                             "go to the fallback when the primary's predicted TTFT is over their SLO")
     pools.add_argument("--interactive-ttft-slo-ms", type=float, default=None,
                        help=f"(default {DEFAULTS.interactive_ttft_slo_ms:g})")

@@ -80,9 +80,9 @@ class BackendPool:
             raise ValueError(f"backend {spec.name} is already in the pool")
         backend = self.retiring.pop(spec.name, None)
         if backend is None:
-            backend = Backend(spec.url, spec.name, self.next_index)
+            backend = Backend(spec.url, spec.name, self.next_index, pool=spec.pool)
         else:
-            backend.url, backend.index, backend.retired = spec.url, self.next_index, False
+            backend.url, backend.index, backend.retired, backend.pool = spec.url, self.next_index, False, spec.pool
             backend.readiness_path, backend.not_ready_reason = "/ready", "not polled yet"
         self.next_index += 1
         self.backends.append(backend)  # highest index last: the list stays in round-robin order

@@ -12,6 +12,7 @@ The YAML file uses the flags' names with underscores, plus `backends` (a list of
     health_interval: 1.0
     # Follow a headless Service's pods (discovery.py): every address its DNS name resolves to is a backend.
     discover_dns: [titan-headless.default.svc.cluster.local:8000]   # or one string
+    # With model pools, a name may feed one: [primary=titan-headless:8000, fallback=titan-small-headless:8000]
     discover_interval: 5.0
 
 `--backend` and `--discover-dns` flags replace the file's list rather than adding to it, like every other flag.
@@ -50,6 +51,7 @@ class DnsTarget:
 
     host: str
     port: int
+    pool: str | None = None  # model pool (degrade.py) its backends join; None without --pool
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
@@ -125,15 +127,17 @@ class RouterConfig:
             raise ConfigError("score weights must not be negative")
         if self.score_prefix_chars < self.chunk_chars or self.score_blocks_per_backend < 1:
             raise ConfigError("need score_prefix_chars >= chunk_chars and score_blocks_per_backend >= 1")
-        pools = {backend.pool or "primary" for backend in self.backends}  # --backend URLs join primary
-        if any(backend.pool for backend in self.backends):
-            if pools != {"primary", "fallback"}:
-                raise ConfigError("pools are named primary and fallback, and both need a backend "
-                                  "(--pool primary=URL[,URL] --pool fallback=URL[,URL])")
-            if self.discover_dns:
-                raise ConfigError("--pool and --discover-dns do not combine yet: discovered backends have no pool")
+        # --backend URLs and unnamed --discover-dns names join primary.
+        sources = [*self.backends, *self.discover_dns]
+        if any(source.pool for source in sources):
+            if {source.pool or "primary" for source in sources} != {"primary", "fallback"}:
+                raise ConfigError("pools are named primary and fallback, and both need a backend or a DNS name "
+                                  "(--pool primary=URL[,URL] --pool fallback=URL[,URL], "
+                                  "--discover-dns fallback=HOST:PORT)")
             self.backends = [spec if spec.pool else dataclasses.replace(spec, pool="primary")
                              for spec in self.backends]
+            self.discover_dns = [target if target.pool else dataclasses.replace(target, pool="primary")
+                                 for target in self.discover_dns]
         if self.dashboard_history < 2 or self.dashboard_max_spikes < 1:
             raise ConfigError("need dashboard_history >= 2 and dashboard_max_spikes >= 1")
         for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval",
@@ -182,10 +186,14 @@ def parse_pools(entries: list[Any]) -> list[BackendSpec]:
 
 
 def parse_dns_target(entry: Any) -> DnsTarget:
-    """`HOST:PORT` (IPv6 literals in brackets) → DnsTarget; the port is required (Titan's is 8000, not 80)."""
+    """`[POOL=]HOST:PORT` (IPv6 literals in brackets) → DnsTarget; the port is required (Titan's is 8000, not
+    80); POOL names the model pool its backends join."""
     if not isinstance(entry, str) or not entry.strip():
         raise ConfigError(f"a discover_dns entry is a 'HOST:PORT' string, got {entry!r}")
-    text = entry.strip()
+    pool, _, text = entry.strip().rpartition("=")
+    pool, text = pool.strip() or None, text.strip()
+    if pool is not None and pool not in ("primary", "fallback"):
+        raise ConfigError(f"a discover_dns entry's pool is primary or fallback, got {entry!r}")
     if "://" in text or "/" in text:
         raise ConfigError(f"discover_dns takes HOST:PORT, without a scheme or path (backends are plain http): "
                           f"{entry!r}")
@@ -200,7 +208,7 @@ def parse_dns_target(entry: Any) -> DnsTarget:
     if not host or port is None or port == 0 or parts.username is not None or parts.query or parts.fragment:
         raise ConfigError(f"discover_dns takes HOST:PORT, e.g. titan-headless.default.svc.cluster.local:8000, "
                           f"got {entry!r}")
-    return DnsTarget(host, port)
+    return DnsTarget(host, port, pool)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

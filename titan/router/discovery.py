@@ -39,10 +39,10 @@ def dns_resolver(family: str = "any") -> Resolver:
     return resolve
 
 
-def backend_for(address: str, port: int) -> BackendSpec:
-    """A discovered address as a backend, named like a static one: its host:port."""
+def backend_for(address: str, port: int, pool: str | None = None) -> BackendSpec:
+    """A discovered address as a backend, named like a static one: its host:port; in its name's model pool."""
     netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-    return BackendSpec(f"http://{netloc}", netloc)
+    return BackendSpec(f"http://{netloc}", netloc, pool)
 
 
 class Membership(Protocol):
@@ -104,7 +104,7 @@ class DnsDiscovery:
             if target in self.failing:
                 self.failing.discard(target)
                 logger.info("discovery: %s resolves again", target)
-            self.answers[target] = self.usable(result, target.port)
+            self.answers[target] = self.usable(result, target)
         desired: dict[str, tuple[BackendSpec, DnsTarget]] = {}
         for target, specs in self.answers.items():
             for name, spec in specs.items():
@@ -119,12 +119,12 @@ class DnsDiscovery:
             self.joined[name] = target
         return added, removed
 
-    def usable(self, addresses: Iterable[str], port: int) -> dict[str, BackendSpec]:
+    def usable(self, addresses: Iterable[str], target: DnsTarget) -> dict[str, BackendSpec]:
         specs: dict[str, BackendSpec] = {}
         for address in addresses:
             if "%" in address:  # an IPv6 link-local address with a zone: no URL can carry it
                 continue
-            spec = backend_for(address, port)
+            spec = backend_for(address, target.port, target.pool)
             if spec.name in self.static_names or spec.url in self.static_urls:
                 continue  # a --backend already: polled and named as configured
             specs[spec.name] = spec
