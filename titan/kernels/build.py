@@ -25,7 +25,7 @@ _SOURCES = ("binding.cpp", "fused.cpp", "isa_generic.cpp", "isa_avx2.cpp", "isa_
             "attention_generic.cpp", "attention_avx2.cpp", "attention_avx512.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.inc", "kernels_int.inc", "fused.h", "attention.h", "attention_ops.h",
             "attention_impl.inc", "decoder.h", "linear_ops.h", "interleave.h", "kernels_x8.inc",
-            "pool.h")
+            "pool.h", "vector_math.h")
 _CSRC = Path(__file__).parent / "csrc"
 ISA_ENV = "TITAN_KERNEL_ISA"  # auto | generic | avx2 | avx512 | avx512vnni | torch (the pure-PyTorch fallback)
 ISA_CHOICES = ("auto", "generic", "avx2", "avx512", "avx512vnni", "torch")
@@ -53,7 +53,9 @@ _tried = False
 KERNEL_CACHE_ENV = "TITAN_KERNEL_CACHE"
 # -fopenmp: ATen's parallel_for is a template that runs in parallel only where the calling unit is compiled
 # with OpenMP (without it every kernel ran on one thread whatever --threads said).
-_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+# -fno-trapping-math: no code here reads floating-point exception flags, and without it GCC keeps loops with
+# a division or a select scalar (SwiGLU's exp).
+_CFLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
 

@@ -38,10 +38,14 @@ const KernelTable* best_table() {
     return &kGenericTable;
 }
 
+}  // namespace
+
 const KernelTable& table() {
     if (g_table == nullptr) g_table = best_table();
     return *g_table;
 }
+
+namespace {
 
 // "auto" picks the best the CPU supports; naming an ISA the CPU lacks is an error, never a crash later.
 std::string set_isa(const std::string& name) {

@@ -38,7 +38,12 @@ struct KernelTable {
     // of xq [M, K] (int8 or int16), xd / xs [M, K/32] and xr [M, K] (the rounded values as float) may be null.
     void (*quantize_rows)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int bits, void* xq,
                           float* xd, float* xs, float* xr);
+    // SwiGLU of one row: out[i] = silu(gate[i]) * up[i] for i < n.
+    void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
 };
+
+// The table in use (binding.cpp: the best this CPU runs, or TITAN_KERNEL_ISA's).
+const KernelTable& table();
 
 extern const KernelTable kGenericTable;
 extern const KernelTable kAvx2Table;
