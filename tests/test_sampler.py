@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from titan.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, process_logits, sample_from_probs
+from titan.engine.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_top_k_top_p,
+    process_logits,
+    row_argmax,
+    sample_from_probs,
+)
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler_output import ScheduledSequence
 
@@ -335,3 +342,20 @@ def test_rejects_mismatched_batch() -> None:
     with pytest.raises(ValueError):
         Sampler(frozenset({EOS}))(torch.zeros(2, 4), [make_request()])
     assert Sampler(frozenset({EOS}))(torch.zeros(0, 4), []) == ([], [])
+
+
+def test_row_argmax_matches_torch_max() -> None:
+    """The numpy path (CPU float32) against torch.max: first max on ties, NaN as the max, all -inf, +inf,
+    a strided view; other dtypes keep torch's path."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
+    logits[1, 7] = logits[1, 9] = 1e9
+    logits[2, 3] = float("nan")
+    logits[3, :] = float("-inf")
+    logits[4, 50] = logits[4, 60] = float("inf")
+    for values in (logits, logits[:, ::3], logits.bfloat16()):
+        got_max, got_index = row_argmax(values)
+        want_max, want_index = values.max(dim=-1)
+        assert got_index.tolist() == want_index.tolist()
+        assert torch.equal(got_max.isnan(), want_max.isnan())
+        assert torch.equal(got_max.nan_to_num(), want_max.nan_to_num())
+        assert got_index.dtype == torch.int64 and got_max.dtype == values.dtype
