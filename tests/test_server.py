@@ -369,9 +369,11 @@ def test_disconnect_aborts_and_frees_kv(server: ServerProcess, model_name: str) 
     assert samples["titan:num_requests_running"] == 0 and samples["titan:kv_cache_usage_perc"] == 0
     aborted = "titan:request_success_total{finished_reason=abort}"
     assert samples[aborted] - before[aborted] == 6
-    # Each stopped within a few steps of its first token, far from the 2000 it asked for.
+    # Each stopped soon after its client left, far from the 2000 it asked for. Bounded by a share of those
+    # tokens, not by steps: how many steps pass before the server sees the closed socket depends on how
+    # fast the machine decodes and how loaded it is.
     generated = samples["titan:generation_tokens_total"] - before["titan:generation_tokens_total"]
-    assert generated < 6 * 12, (generated, during)
+    assert generated < 6 * 200, (generated, during)
 
 
 def test_non_streaming_disconnect_aborts(server: ServerProcess, model_name: str) -> None:
