@@ -99,7 +99,9 @@ class Lifecycle:
             say(f"drain timeout: aborting {engine.num_in_flight} requests")
             engine.abort_all()
             abort_deadline = time.monotonic() + GRACEFUL_CLOSE_SECONDS
-            while state.busy and time.monotonic() < abort_deadline:
+            # Only the engine's requests now (they end at once): a response stuck on a client that stopped
+            # reading is left to uvicorn's graceful close, so the drain stays within the pod's budget.
+            while engine.num_in_flight and time.monotonic() < abort_deadline:
                 await asyncio.sleep(0.02)
         say("drained; shutting down")
         self.server.should_exit = True
