@@ -148,8 +148,10 @@ class Outcome:
     error: str = ""
 
 
-def run_request(url: str, prompt: str, stream: bool, max_tokens: int, chat: bool = False) -> Outcome:
-    """One completion (or chat completion), streamed or not, and what became of it."""
+def run_request(url: str, prompt: str, stream: bool, max_tokens: int, chat: bool = False,
+                began: threading.Event | None = None, hang_up: threading.Event | None = None) -> Outcome:
+    """One completion (or chat completion), streamed or not, and what became of it. A stream sets `began`
+    at its first content event and, once `hang_up` is set, closes the connection (as a user who gives up)."""
     outcome = Outcome(stream, time.monotonic())
     body: dict[str, object] = {"max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     if chat:
@@ -178,9 +180,13 @@ def run_request(url: str, prompt: str, stream: bool, max_tokens: int, chat: bool
                         outcome.error = event["error"]["message"]
                     else:
                         outcome.began_streaming = True
+                        if began is not None:
+                            began.set()
+                if hang_up is not None and hang_up.is_set():
+                    return outcome
             if not outcome.ok and not outcome.error:
                 outcome.error = "stream ended without [DONE]"
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
         outcome.error = f"{type(error).__name__}: {error}"
     return outcome
 
@@ -232,7 +238,7 @@ def test_a_draining_backend_gets_no_new_requests(fleet: Fleet) -> None:
         holder, accepted = HeldStream(victim.url, max_tokens=2000), HeldStream(victim.url, max_tokens=150)
         holder.began.wait(60)
         accepted.began.wait(60)
-        assert holder.outcome.began_streaming and accepted.outcome.began_streaming
+        assert holder.streaming() and accepted.streaming()
         victim.terminate()
         deadline = time.monotonic() + 5
         while backend_state(router, name_of(victim))["ready"]:
@@ -258,8 +264,7 @@ def test_a_draining_backend_gets_no_new_requests(fleet: Fleet) -> None:
 
 
 class HeldStream(threading.Thread):
-    """A streamed completion read event by event until it ends or `hang_up` is set (then the client
-    closes the connection, as a user who gives up would)."""
+    """A streamed completion running in the background (run_request with `began` and `hang_up`)."""
 
     def __init__(self, url: str, max_tokens: int) -> None:
         super().__init__(daemon=True)
@@ -269,28 +274,16 @@ class HeldStream(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        body = {"prompt": "Tell me a long story.", "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as reply:
-                for line in reply.iter_lines():
-                    if line == "data: [DONE]":
-                        self.outcome.ok = True
-                    elif line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            self.outcome.error = event["error"]["message"]
-                        elif any(choice["text"] for choice in event["choices"]):
-                            self.outcome.began_streaming = True
-                            self.began.set()
-                    if self.hang_up.is_set():
-                        return
-            if not self.outcome.ok:
-                self.outcome.error = self.outcome.error or "stream ended without [DONE]"
-        except (httpx.HTTPError, json.JSONDecodeError) as error:
-            self.outcome.error = f"{type(error).__name__}: {error}"
+            self.outcome = run_request(self.url, "Tell me a long story.", stream=True, max_tokens=self.max_tokens,
+                                       began=self.began, hang_up=self.hang_up)
         finally:
-            self.began.set()
             self.finished.set()
+            self.began.set()  # a request that failed before its first token leaves nobody waiting
+
+    def streaming(self) -> bool:
+        """Began streaming: still running (`began` came from a content event), or ended having streamed."""
+        return not self.finished.is_set() or self.outcome.began_streaming
 
 
 def test_killing_a_backend_under_load_fails_only_streams_already_begun(fleet: Fleet) -> None:

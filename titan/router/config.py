@@ -24,7 +24,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 POLICIES = ("score", "round-robin", "least-load", "prefix-affinity")
@@ -134,10 +134,8 @@ class RouterConfig:
                 raise ConfigError("pools are named primary and fallback, and both need a backend or a DNS name "
                                   "(--pool primary=URL[,URL] --pool fallback=URL[,URL], "
                                   "--discover-dns fallback=HOST:PORT)")
-            self.backends = [spec if spec.pool else dataclasses.replace(spec, pool="primary")
-                             for spec in self.backends]
-            self.discover_dns = [target if target.pool else dataclasses.replace(target, pool="primary")
-                                 for target in self.discover_dns]
+            self.backends = in_a_pool(self.backends)
+            self.discover_dns = in_a_pool(self.discover_dns)
         if self.dashboard_history < 2 or self.dashboard_max_spikes < 1:
             raise ConfigError("need dashboard_history >= 2 and dashboard_max_spikes >= 1")
         for name in ("health_interval", "health_timeout", "connect_timeout", "read_timeout", "discover_interval",
@@ -145,6 +143,14 @@ class RouterConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         return self
+
+
+Pooled = TypeVar("Pooled", BackendSpec, DnsTarget)
+
+
+def in_a_pool(sources: list[Pooled]) -> list[Pooled]:
+    """Each backend or DNS name with its pool, primary where none was named."""
+    return [source if source.pool else dataclasses.replace(source, pool="primary") for source in sources]
 
 
 def parse_backend(entry: Any) -> BackendSpec:

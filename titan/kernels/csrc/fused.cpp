@@ -80,7 +80,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
     float* op = out.data_ptr<float>();
     const KernelTable& isa = table();  // the exp vectorizes at the ISA's width (generic: scalar-speed SSE2)
     at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; t++) isa.silu_mul(gp + t * 2 * width, gp + t * 2 * width + width, op + t * width, width);
+        for (int64_t t = t0; t < t1; t++) {
+            const float* gate = gp + t * 2 * width;
+            isa.silu_mul(gate, gate + width, op + t * width, width);
+        }
     });
     return out;
 }

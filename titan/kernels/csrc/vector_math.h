@@ -6,9 +6,10 @@
 
 // Cephes' expf: 2^k exp(r) with k = round(x / ln 2) by the 1.5 x 2^23 trick, r reduced in two parts, a
 // degree-5 polynomial; within 2 ulp on the clamped range. From x = 88.38 on, k = 128 makes the scale's
-// bits +inf's, as the exact result's overflow (near 88.72) would: silu of a very negative gate is -0. Loops over it vectorize because the build has
-// -fno-trapping-math (build.py). Static: each ISA unit keeps its own copy, compiled for its target (one
-// shared inline definition could be the AVX-512 one running on an AVX2 machine).
+// bits +inf's, as the exact result's overflow (near 88.72) would: silu of a very negative gate is -0.
+// Loops over it vectorize because the build has -fno-trapping-math (build.py). Static: each ISA unit keeps
+// its own copy, compiled for its target (one shared inline definition could be the AVX-512 one running on
+// an AVX2 machine). attention_impl.inc's exp_nonpositive is the explicit-vector twin for x <= 0 only.
 static inline float vector_exp(float x) {
     x = x > -87.0f ? x : -87.0f;  // not fmin / fmax: their NaN rules keep the loop scalar
     x = x < 89.0f ? x : 89.0f;
