@@ -72,8 +72,10 @@ def workload_args(preset: str, rate: float, duration: float, seed: int) -> list[
         return ["--preset", "prefill-storm", "--request-rate", f"{rate:.3f}", "--input-len", "64:128",
                 "--output-len", "32", "--long-input-len", str(STORM_LONG_IN), "--long-output-len", "16",
                 "--long-fraction", f"{STORM_LONG_FRACTION:g}", *common]
+    # A hot prefix (a system prompt in use): the target is about the tail while it is shared, not the one
+    # request that computes it first.
     return ["--preset", "shared-prefix", "--request-rate", f"{rate:.3f}", "--prefix-len", str(PREFIX_LEN),
-            "--input-len", str(SUFFIX_LEN), "--output-len", str(PREFIX_OUT), *common]
+            "--input-len", str(SUFFIX_LEN), "--output-len", str(PREFIX_OUT), "--warm-prefixes", *common]
 
 
 def closed_loop_args(preset: str, requests: int, seed: int) -> list[str]:

@@ -12,10 +12,12 @@ from titan.engine.sampling_params import SamplingParams
 from titan.engine.sequence import Sequence
 
 
-def controller(policy: str = "fcfs", itl_slo_ms: float | None = None, **limits) -> AdmissionController:
+def controller(policy: str = "fcfs", itl_slo_ms: float | None = None, min_prefill_chunk: int = 1,
+               **limits) -> AdmissionController:
     model = StepCostModel()
     model.weights = np.array([0.05, 0.002, 0.0, 0.0])  # 50 ms per step + 2 ms per token
-    scheduling = SchedulerConfig(max_num_batched_tokens=100, policy=policy, itl_slo_ms=itl_slo_ms)
+    scheduling = SchedulerConfig(max_num_batched_tokens=100, policy=policy, itl_slo_ms=itl_slo_ms,
+                                 min_prefill_chunk=min_prefill_chunk)
     return AdmissionController(AdmissionConfig(**limits), model, scheduling)
 
 
@@ -115,8 +117,10 @@ def test_slo_policy_prices_the_queue_at_its_capped_chunks() -> None:
     admission = controller("slo", itl_slo_ms=100.0, ttft_slo_ms=1000.0)
     # 5 decodes take 60 ms, leaving 40 ms: 20 prefill tokens per 100 ms step; 250 tokens = 12.5 steps.
     assert admission.predicted_prefill_seconds(250, shape(decoding(5))) == pytest.approx(12 * 0.1 + 0.08)
-    # Decodes alone over the target: prefill still moves min_prefill_chunk (16) tokens per step.
-    assert admission.predicted_prefill_seconds(32, shape(decoding(40))) == pytest.approx(2 * (0.05 + 0.002 * 56))
+    # Decodes alone over the target: prefill still moves min_prefill_chunk tokens per step (1 by default).
+    assert admission.predicted_prefill_seconds(4, shape(decoding(40))) == pytest.approx(4 * (0.05 + 0.002 * 41))
+    floored = controller("slo", itl_slo_ms=100.0, min_prefill_chunk=16, ttft_slo_ms=1000.0)
+    assert floored.predicted_prefill_seconds(32, shape(decoding(40))) == pytest.approx(2 * (0.05 + 0.002 * 56))
     # Nothing decoding: no cap, budget-sized chunks as without the slo policy.
     assert admission.predicted_prefill_seconds(250, StepShape()) == pytest.approx(0.65)
     with pytest.raises(AdmissionRejectedError):

@@ -111,3 +111,21 @@ def test_every_preset_against_titan(titan_server: Any, preset: str, tmp_path: Pa
     if preset == "burst":
         scheduled = [request["scheduled_at"] for request in requests]
         assert scheduled.count(0.3) == 3
+
+
+def test_warm_prefixes_leave_the_prefix_hot_before_the_run(titan_server: Any, tmp_path: Path) -> None:
+    """--warm-prefixes: one 1-token request per shared prefix before the clock starts, not in the report. Every
+    measured request then finds at least the prefix's three full 16-token blocks cached (64 tokens, and a seed
+    no other test uses); without the warm-up the first would find none, so the hits could not reach 2 x 48."""
+    before = counters(titan_server.url)
+    code = main(["bench", "--base-url", titan_server.url, "--preset", "shared-prefix", "--num-requests", "2",
+                 "--max-concurrency", "1", "--output-len", "2", "--ignore-eos", "--input-len", "8", "--prefix-len",
+                 "64", "--seed", "77", "--warm-prefixes", "--no-plots", "--output-dir", str(tmp_path), "--quiet"])
+    after = counters(titan_server.url)
+    assert code == 0
+    report = load_report(tmp_path)
+    assert report["summary"]["requests"] == report["summary"]["succeeded"] == 2
+    assert report["config"]["warm_prefixes"] is True
+    # The warm-up's prompt reached the server too, on top of the measured ones.
+    assert after["prompt_tokens"] - before["prompt_tokens"] > report["summary"]["input_tokens"] + 64
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * 48

@@ -27,9 +27,13 @@ def fixed_cost_model(per_step: float, per_token: float, per_sequence: float = 0.
 
 
 def make(policy: str = "priority", budget: int = 64, max_seqs: int = 8, num_blocks: int = 64,
-         itl_slo_ms: float | None = None, cost_model: StepCostModel | None = None, aging: float = 0.0) -> Scheduler:
-    """Aging is off unless a test is about it: it depends on the wall clock."""
-    config = SchedulerConfig(budget, max_seqs, policy=policy, itl_slo_ms=itl_slo_ms, aging_seconds=aging)
+         itl_slo_ms: float | None = None, cost_model: StepCostModel | None = None, aging: float = 0.0,
+         **options: float) -> Scheduler:
+    """Aging is off unless a test is about it: it depends on the wall clock. So is slo's backlog rule (a
+    TTFT target of days): arrivals count from the module's import, minutes before a test runs in a full suite."""
+    options.setdefault("ttft_target_ms", 1e9)
+    config = SchedulerConfig(budget, max_seqs, policy=policy, itl_slo_ms=itl_slo_ms, aging_seconds=aging,
+                             **options)
     return Scheduler(config, BlockManager(num_blocks, 4), 1024, frozenset({2}), cost_model)
 
 
@@ -140,9 +144,10 @@ def test_slo_policy_caps_prefill_chunks_to_the_itl_target() -> None:
 
 
 def test_slo_policy_auto_target_follows_the_decode_batch() -> None:
-    """auto (the slo default): twice the step's decodes alone. 10 ms per step + 0.5 ms per token: with 3
-    decodes that is 2 x 11.5 = 23 ms, room for 23 prefill tokens; with 6 decodes 2 x 13 = 26 ms, 26 tokens."""
-    for num_decoders, expected in ((3, 23), (6, 26)):
+    """auto (the slo default): 1.5x the step's decodes alone. 10 ms per step + 0.5 ms per token: with 3
+    decodes that is 1.5 x 11.5 = 17.25 ms, room for 11 prefill tokens; with 6 decodes 1.5 x 13 = 19.5 ms,
+    13 tokens."""
+    for num_decoders, expected in ((3, 11), (6, 13)):
         scheduler = make(policy="slo", budget=256, cost_model=fixed_cost_model(0.010, 0.0005))
         assert scheduler.config.itl_slo_ms == "auto"
         decoders = [sequence(4, arrival=float(i)) for i in range(num_decoders)]
@@ -155,8 +160,10 @@ def test_slo_policy_auto_target_follows_the_decode_batch() -> None:
         assert {s.seq_id: s.num_new_tokens for s in output.scheduled}[long_prompt.seq_id] == expected
 
 
-def test_slo_policy_still_progresses_prefills_when_the_target_is_unreachable() -> None:
-    scheduler = make(policy="slo", budget=256, itl_slo_ms=5.0, cost_model=fixed_cost_model(0.010, 0.001))
+@pytest.mark.parametrize("min_prefill_chunk", [1, 16])
+def test_slo_policy_still_progresses_prefills_when_the_target_is_unreachable(min_prefill_chunk: int) -> None:
+    scheduler = make(policy="slo", budget=256, itl_slo_ms=5.0, cost_model=fixed_cost_model(0.010, 0.001),
+                     min_prefill_chunk=min_prefill_chunk)
     decoder = sequence(4)
     scheduler.add(decoder)
     step(scheduler)
@@ -166,7 +173,7 @@ def test_slo_policy_still_progresses_prefills_when_the_target_is_unreachable() -
     scheduler.add(other)
     output = step(scheduler)
     # The decode, then min_prefill_chunk of one prefill only.
-    assert [s.num_new_tokens for s in output.scheduled] == [1, 16]
+    assert [s.num_new_tokens for s in output.scheduled] == [1, min_prefill_chunk]
 
 
 def test_slo_policy_lets_a_short_prompt_pass_a_long_prefill() -> None:
@@ -332,16 +339,16 @@ def test_cost_model_rebuilt_from_decodes_alone_still_prices_a_prefill() -> None:
 
 
 def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0) -> Scheduler:
-    """slo, auto ITL target, 0.1 s per step + 0.01 s per token: seconds-scale costs, so the few milliseconds a
-    test takes between queuing and scheduling never move a TTFT across its target."""
-    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, min_prefill_chunk=1,
+    """slo, ITL target 0.245 s, 0.1 s per step + 0.01 s per token: seconds-scale costs, so the few
+    milliseconds a test takes between queuing and scheduling never move a TTFT across its target."""
+    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=245.0,
                              ttft_target_ms=ttft_target_ms, max_itl_excursion=max_itl_excursion)
     return Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01))
 
 
 def with_two_decodes(scheduler: Scheduler) -> list[Sequence]:
-    """Two requests mid-stream: their decodes alone take 0.12 s, so the ITL target is 0.24 s and a capped
-    step holds 12 prefill tokens."""
+    """Two requests mid-stream: their decodes alone take 0.12 s, so a step within the 0.245 s target holds 12
+    prefill tokens (0.24 s)."""
     decoders = [sequence(4, max_tokens=500) for _ in range(2)]
     for seq in decoders:
         scheduler.add(seq)
@@ -358,74 +365,64 @@ def queue_now(scheduler: Scheduler, count: int, length: int) -> list[Sequence]:
     return seqs
 
 
-def test_slo_policy_widens_the_prefill_budget_when_a_backlog_would_miss_its_ttft() -> None:
-    """20 queued prompts of 40 tokens, TTFT target 10 s. Capped (12 tokens per 0.24 s step) the 12 first meet it;
-    at 4x the target (0.96 s, 84 tokens per step) all 20 do: 8 more first tokens on time against the 2 decodes
-    whose gap goes over, so the step widens to the excursion bound."""
+def test_slo_policy_drains_a_backlog_at_the_excursion_bound_until_the_queue_empties() -> None:
+    """20 queued prompts of 40 tokens, TTFT target 10 s. Capped (12 tokens per 0.24 s step) only the 12 first
+    are on time: a backlog, so the step runs to 4x the target (0.98 s, 86 tokens), where all 20 are."""
     scheduler = budget_scheduler(ttft_target_ms=10_000)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
     budget = output.budget
-    assert budget.reason == "goodput"
-    assert (budget.itl_target_ms, budget.step_target_ms) == (pytest.approx(240.0), pytest.approx(960.0))
-    assert (budget.prefill_tokens, budget.ttft_met_capped, budget.ttft_met, budget.itl_cost) == (84, 12, 20, 2)
-    assert output.num_batched_tokens == 2 + 84
+    assert budget.reason == "backlog"
+    assert (budget.itl_target_ms, budget.step_target_ms) == (pytest.approx(245.0), pytest.approx(980.0))
+    assert (budget.prefill_tokens, budget.ttft_met_capped, budget.ttft_met, budget.itl_cost) == (86, 12, 20, 2)
+    assert output.num_batched_tokens == 2 + 86
     assert [seq.itl_excursions for seq in decoders] == [1, 1]
-    # The next step also decodes the two prompts finished in this one: only those count as its cost, the
-    # first two already missed their ITL target.
+    # The next step also decodes the two prompts finished in this one: only those lose their ITL target now.
     second = step(scheduler)
     assert sum(s.is_decode for s in second.scheduled) == 4
-    assert (second.budget.reason, second.budget.itl_cost) == ("goodput", 2)
+    assert (second.budget.reason, second.budget.itl_cost) == ("backlog", 2)
+    # A few prompts left: at the cap they would be on time again, but a backlog drains until the queue is empty.
+    for seq in list(scheduler.waiting)[2:]:
+        scheduler.abort(seq.seq_id)
+    third = step(scheduler)
+    assert third.budget.ttft_met_capped == third.budget.queued <= 3
+    reasons = []
+    while scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in scheduler.running):
+        reasons.append(step(scheduler).budget.reason)
+    assert set(reasons) == {"backlog"}
+    assert step(scheduler).budget.reason == "itl_cap"  # drained: the cap again
 
 
-def test_slo_policy_keeps_the_cap_when_widening_saves_fewer_than_it_breaks() -> None:
-    """One queued 300-token prompt (steady traffic): widening would get it within its 4 s TTFT target (6 s
-    capped, 3.84 s wide), but that is one request against two decodes' ITL: the step stays capped."""
-    scheduler = budget_scheduler(ttft_target_ms=4_000)
+def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
+    """One queued 300-token prompt (steady traffic) with a 7 s TTFT target: capped it is done in 6 s, so
+    the step stays capped, and the decodes keep their gaps."""
+    scheduler = budget_scheduler(ttft_target_ms=7_000)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 1, 300)
     output = step(scheduler)
-    assert output.budget.reason == "itl_cap" and output.budget.ttft_met_capped == 0
+    assert output.budget.reason == "itl_cap" and output.budget.ttft_met_capped == 1
     assert output.num_batched_tokens == 2 + 12
     assert [seq.itl_excursions for seq in decoders] == [0, 0]
-    # Once both decodes have had a gap over the target, widening costs no goodput and saves the prompt.
-    for seq in decoders:
-        seq.itl_excursions = 1
-    budget = step(scheduler).budget
-    assert (budget.reason, budget.ttft_met, budget.itl_cost) == ("goodput", 1, 0)
 
 
-def test_slo_policy_widens_for_a_backlog_already_past_its_ttft() -> None:
-    """The same 20 prompts, but queued 12 s ago, past their 10 s target: each is judged against the next
-    multiple, 20 s after arrival, 8 s from now. Capped, 9 make it; at the excursion bound 16 do."""
+def test_slo_policy_drains_for_a_request_already_past_its_ttft() -> None:
+    """A 4-token prompt queued 12 s ago, past its 10 s target: late whatever the budget, so the step drains."""
     scheduler = budget_scheduler(ttft_target_ms=10_000)
     with_two_decodes(scheduler)
-    for seq in queue_now(scheduler, 20, 40):
+    for seq in queue_now(scheduler, 1, 4):
         seq.arrival_time -= 12.0
     budget = step(scheduler).budget
-    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("goodput", 9, 16)
+    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 0, 0)
 
 
-def test_ttft_met_counts_a_late_request_against_the_next_multiple_of_the_target() -> None:
-    queue = [QueuedPrefill(100, waited_seconds=0.5, ttft_target=1.0), QueuedPrefill(100, 1.5, ttft_target=1.0)]
-    # Target 1 s; the second is late already, so its deadline is 2 s. With 100 tokens per 0.4 s step the first
-    # is done at 0.9 s, the second at 2.3 s: one met. With 0.2 s steps, at 0.7 s and 1.9 s: both.
-    assert ttft_met(queue, 100, 0.4) == 1
-    assert ttft_met(queue, 100, 0.2) == 2
-
-
-def test_slo_policy_widens_for_free_when_every_decode_already_missed_its_itl() -> None:
-    """Nothing to save (the 20 s target is met either way), but the two decodes already had a gap over their
-    target: widening costs no goodput, so the step takes the excursion bound and drains the queue sooner."""
-    scheduler = budget_scheduler(ttft_target_ms=20_000)
-    decoders = with_two_decodes(scheduler)
-    queue_now(scheduler, 4, 40)
-    assert step(scheduler).budget.reason == "itl_cap"  # fresh decodes: no reason to break their gaps
-    for seq in decoders:
-        seq.itl_excursions = 1
-    budget = step(scheduler).budget
-    assert (budget.reason, budget.step_target_ms, budget.itl_cost) == ("goodput", pytest.approx(960.0), 0)
+def test_ttft_met_counts_the_requests_predicted_within_their_target() -> None:
+    queue = [QueuedPrefill(100, waited_seconds=0.5, ttft_target=1.0), QueuedPrefill(100, 0.2, ttft_target=1.0)]
+    # With 100 tokens per 0.4 s step the first is done at 0.9 s, the second at 1.0 s: both in time. With
+    # 0.5 s steps at 1.0 s and 1.2 s: one. One already past its target is never met.
+    assert ttft_met(queue, 100, 0.4) == 2
+    assert ttft_met(queue, 100, 0.5) == 1
+    assert ttft_met([QueuedPrefill(1, 1.5, ttft_target=1.0)], 100, 0.01) == 0
 
 
 def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:
@@ -434,6 +431,7 @@ def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
     assert output.budget.reason == "itl_cap" and output.num_batched_tokens == 2 + 12
+    assert not scheduler.draining
 
 
 def test_step_records_show_the_budget_decision() -> None:
@@ -441,9 +439,9 @@ def test_step_records_show_the_budget_decision() -> None:
     with_two_decodes(scheduler)
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
-    record = asdict(StepRecord.of(output, RunnerOutput(), started=0.0, duration=0.9, predicted=0.96, gc_pause=0.0))
-    assert record["budget"]["reason"] == "goodput" and record["budget"]["prefill_tokens"] == 84
-    assert (record["predicted_duration"], record["duration"]) == (0.96, 0.9)
+    record = asdict(StepRecord.of(output, RunnerOutput(), started=0.0, duration=0.9, predicted=0.98, gc_pause=0.0))
+    assert record["budget"]["reason"] == "backlog" and record["budget"]["prefill_tokens"] == 86
+    assert (record["predicted_duration"], record["duration"]) == (0.98, 0.9)
 
 
 def test_scheduler_config_checks_the_goodput_options() -> None:
@@ -454,7 +452,7 @@ def test_scheduler_config_checks_the_goodput_options() -> None:
 
 
 def test_auto_ttft_target_follows_the_prompt_length() -> None:
-    """auto: AUTO_TTFT_FACTOR (3) x the prompt's predicted prefill alone; 0.1 s + 0.01 s per token."""
+    """auto: a factor (here 3) x the prompt's predicted prefill alone; 0.1 s + 0.01 s per token."""
     model = fixed_cost_model(0.1, 0.01)
     assert ttft_target_seconds("auto", model, 100, 3.0) == pytest.approx(3.3)
     assert ttft_target_seconds("auto", model, 400, 3.0) == pytest.approx(12.3)

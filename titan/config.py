@@ -128,13 +128,15 @@ class CacheConfig:
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 # The slo policy's step target when none is given: derived online, this many times the predicted
-# duration of the step's decodes alone, so a prefill chunk at most doubles their token gap whatever the
-# machine, the model, its kernels and the batch width.
+# duration of the step's decodes alone, so it follows the machine, the model, its kernels and the batch
+# width. A capped prefill chunk adds at most half the decodes' own step: the token gap stays within 2x the
+# typical one with room for prediction error and a batch that grew.
 DEFAULT_SLO_ITL_MS = "auto"
-AUTO_ITL_FACTOR = 2.0
+AUTO_ITL_FACTOR = 1.5
 # The slo policy's TTFT target when none is given: this many times the request's whole prompt's predicted
-# prefill alone, so it follows the machine, the model and the prompt's length.
-AUTO_TTFT_FACTOR = 3.0
+# prefill alone (serving benchmarks set TTFT SLOs at 5-10x the unloaded TTFT), so it follows the machine,
+# the model and the prompt's length.
+AUTO_TTFT_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -146,28 +148,29 @@ class SchedulerConfig:
     one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
     so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
-    prefill with the fewest tokens left goes first. Under a backlog slo may widen a step's prefill budget
-    up to `max_itl_excursion` x that target when this lets more queued requests meet `ttft_target_ms` than
-    decodes lose their ITL target (titan.engine.prefill_budget states the rule).
+    prefill with the fewest tokens left goes first. Under a backlog (at the cap some queued request would
+    miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target until the queue empties
+    (titan.engine.prefill_budget states the rule).
     """
 
     max_num_batched_tokens: int = option(512, "token budget per step")
     max_num_seqs: int = option(64, "sequences per step")
-    policy: str = option("fcfs", "fcfs: arrival order; priority: lower `priority` first, with preemption; slo: "
-                         "priority plus prefill chunks capped to keep steps within --itl-slo-ms",
+    policy: str = option("slo", "slo: priority plus prefill chunks capped to keep steps within --itl-slo-ms "
+                         "(auto), draining backlogs at --max-itl-excursion; fcfs: arrival order (vLLM's default); "
+                         "priority: lower `priority` first, with preemption",
                          flag="scheduling_policy", choices=SCHEDULING_POLICIES)
     aging_seconds: float = option(10.0, "a waiting request gains one priority level per this many seconds (0: off)")
     itl_slo_ms: float | str | None = option(
         None, "target step duration in ms for --scheduling-policy slo, or auto (its default): "
               f"{AUTO_ITL_FACTOR:g}x the predicted duration of the step's decodes alone", parse=number_or_auto)
-    min_prefill_chunk: int = option(16, "even under the slo cap, the first prefill of a step computes this many "
-                                        "tokens")
+    min_prefill_chunk: int = option(1, "even under the slo cap, the first prefill of a step computes this many "
+                                       "tokens (1: the cap decides, a prefill still moves every step)")
     ttft_target_ms: float | str = option(
         "auto", "the slo policy's time-to-first-token target in ms for its goodput rule, or auto: "
                 f"{AUTO_TTFT_FACTOR:g}x the predicted prefill of the request's prompt alone", parse=number_or_auto)
     max_itl_excursion: float = option(
-        4.0, "under a backlog the slo policy may let a step run to this many times its ITL target when that "
-             "lets more queued requests meet their TTFT target (1: never)")
+        10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
+             "lets steps run to this many times their ITL target until no prefill is queued (1: never)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:

@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--batch-fraction", type=float, default=None, help="share of batch requests (mixed-priority)")
     work.add_argument("--prefix-len", type=int, default=None, help="shared prefix tokens (shared-prefix)")
     work.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (shared-prefix)")
+    work.add_argument("--warm-prefixes", action="store_true",
+                      help="before the run, send one 1-token request per shared prefix, so the run measures a "
+                           "hot shared prefix (a system prompt in use) rather than its first computation")
     work.add_argument("--dataset", default=None, help="JSONL of {'prompt'} / {'messages'} / ShareGPT lines")
     work.add_argument("--tokenizer", default=None,
                       help="the served model's tokenizer.json for exact token counts (else synthetic "
@@ -184,6 +187,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
             temperature=args.temperature, ignore_eos=args.ignore_eos, include_usage=not args.no_usage,
             send_priority=args.send_priority, api_key=args.api_key, scrape_metrics=not args.no_scrape,
             scrape_interval=args.scrape_interval, progress=not args.quiet and sys.stderr.isatty(),
+            warm_prefixes=args.warm_prefixes,
         ),
         arrivals=arrivals,
         options=AnalysisOptions(
@@ -204,7 +208,7 @@ def _config_dict(args: argparse.Namespace, setup: _Setup, rate: float) -> dict[s
         "burst_interval_s": arrivals.burst_interval, "seed": args.seed, "ignore_eos": args.ignore_eos,
         "temperature": args.temperature, "send_priority": args.send_priority, "include_usage": not args.no_usage,
         "slo": args.slo, "window_s": args.window, "spike_factor": args.spike_factor,
-        "stall_threshold_ms": args.stall_threshold_ms,
+        "stall_threshold_ms": args.stall_threshold_ms, "warm_prefixes": args.warm_prefixes,
     }
 
 

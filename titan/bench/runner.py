@@ -42,6 +42,7 @@ class RunConfig:
     scrape_interval: float = 1.0
     progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    warm_prefixes: bool = False  # send Workload.warm_up_requests() before the clock starts
 
 
 @dataclass
@@ -167,6 +168,8 @@ async def _drive(config: RunConfig, workload: Workload, arrivals: ArrivalProcess
     counts = {"done": 0, "failed": 0}
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     async with make_client(config.request_timeout, config.api_key) as client:
+        if config.warm_prefixes:
+            await _warm_prefixes(client, url, config, workload)
         start = time.perf_counter()
         start_wall = time.time()
         health = ClientHealth(start)
@@ -226,6 +229,17 @@ async def _drive(config: RunConfig, workload: Workload, arrivals: ArrivalProcess
             steps, ready_t = await fetch_server_steps(client, api_root(config.base_url), start_wall)
     return RunData(results, ended - start, started_at, scraper.to_dict(), scraper.samples,
                    health.loop_lags, health.gc_pauses, stop.is_set(), steps, ready_t)
+
+
+async def _warm_prefixes(client: httpx.AsyncClient, url: str, config: RunConfig, workload: Workload) -> None:
+    """One request per shared prefix, one at a time, none of them part of the run."""
+    for spec in workload.warm_up_requests():
+        body = request_body(spec, config.model, temperature=0.0, ignore_eos=False, include_usage=False,
+                            send_priority=False, extra=config.extra_body)
+        result = await send_request(client, url, body, RequestResult(spec.index, spec.request_class,
+                                                                     spec.input_tokens, 1, 0.0), time.perf_counter())
+        if not result.success:
+            raise RuntimeError(f"the prefix warm-up request failed: {result.error}")
 
 
 async def fetch_server_steps(client: httpx.AsyncClient, root: str,

@@ -330,11 +330,24 @@ class Workload:
             group = rng.randrange(len(self.prefixes))
             prefix = self.prefixes[group]
             input_tokens += self.prefix_tokens[group]
-        if chat:
+        return self._spec(RequestSpec(index, request_class.name, input_tokens, max_tokens,
+                                      priority=request_class.priority), prefix, body)
+
+    def warm_up_requests(self) -> list[RequestSpec]:
+        """One 1-token request per shared prefix, each with its own short body: sent before the run, they
+        leave the prefixes in the server's prefix cache, as a hot system prompt would be."""
+        specs = []
+        for group, prefix in enumerate(self.prefixes):
+            body = self.counter.make_text(random.Random(f"{self.options.seed}:warm:{group}"), 16)
+            tokens = self.prefix_tokens[group] + self.counter.count_filler(body)
+            specs.append(self._spec(RequestSpec(-1 - group, "warm-up", tokens, 1), prefix, body))
+        return specs
+
+    def _spec(self, spec: RequestSpec, prefix: str, body: str) -> RequestSpec:
+        """`spec` with its prompt: the prefix as a system message (chat), or prepended to the body."""
+        if self.options.endpoint == "chat":
             messages = [{"role": "user", "content": body}]
             if prefix:  # a shared system prompt is how chat traffic shares prefixes in practice
                 messages.insert(0, {"role": "system", "content": prefix.rstrip("\n")})
-            return RequestSpec(index, request_class.name, input_tokens, max_tokens, messages=messages,
-                               priority=request_class.priority)
-        return RequestSpec(index, request_class.name, input_tokens, max_tokens, prompt=prefix + body,
-                           priority=request_class.priority)
+            return replace(spec, messages=messages)
+        return replace(spec, prompt=prefix + body)

@@ -1,30 +1,24 @@
-"""The slo policy's per-step prefill budget: the ITL cap, widened under a backlog when that raises goodput.
+"""The slo policy's per-step prefill budget: the ITL cap, or under a backlog the excursion bound until it drains.
 
 Goodput (DistServe's definition) counts requests that meet both their TTFT target and their ITL target.
-Capping every step at the ITL target protects the running decodes, but under a backlog it starves the queue:
-a short step spends most of its time on the fixed per-step cost, so prefill runs slowly and waiting
-requests miss their TTFT. The rule, evaluated once per step that carries decodes while prefill work is
-queued:
+Capping every step at the ITL target protects the running decodes, and while the capped steps still get
+every queued first token out in time nothing is gained by more. Under a backlog the cap starves the queue:
+a short step spends most of its time on the fixed per-step cost, so prefill runs at a fraction of its speed
+and the backlog spreads onto every request that arrives after it. The rule, evaluated once per step that
+carries decodes:
 
 * T is the ITL target (`step_target_seconds`), τᵢ request i's TTFT target (`ttft_target_seconds`: the
   given number, or auto AUTO_TTFT_FACTOR x its whole prompt's predicted prefill alone, so a long prompt may
-  take longer than a short one), X the excursion bound (`max_itl_excursion`). Candidate step durations
-  are T, 2T, 4T, ... up to X·T, and the duration that
-  spends the whole remaining token budget if that is below X·T. A candidate t allows b(t) prefill tokens per
-  step: the largest chunk that keeps the predicted step (decodes + chunk) within t.
-* Met(t): the queued prefills (running prompts still prefilling, then the waiting ones, in the policy's
-  order) predicted to get their first token by their deadline if every step from now on computed b(t) of
-  them: request i finishes in step ⌈(tokens of i and of those ahead of it) / b(t)⌉, each step taking the
-  predicted duration of decodes + b(t). The deadline is τᵢ after arrival; for a request that has already
-  waited w > τᵢ it is the next multiple of τᵢ, ⌊w/τᵢ⌋·τᵢ + τᵢ, so under a backlog no budget clears in time the
-  rule still prefers the budget that gets more first tokens out sooner (plain deadlines would all be
-  missed whatever the budget, leaving the cap to starve the queue).
-* Cost(t): 0 for t = T; otherwise the decodes in this step that have not yet had a gap over their ITL
-  target (a request with one such gap already misses its ITL target, so another costs no goodput).
-* The step uses the smallest t maximizing Met(t) − Cost(t): wider only when it saves strictly more first
-  tokens than it breaks token gaps, and never past X·T. When widening costs nothing (every decode in the
-  step already had a gap over its target) it takes the widest t that saves no fewer: throughput for the
-  requests still to come.
+  take longer than a short one), X the excursion bound (`max_itl_excursion`).
+* Capped, a step holds b(T) prefill tokens: the largest chunk that keeps the predicted step (decodes +
+  chunk) within T. The queue (running prompts still prefilling, then the waiting ones, in the policy's
+  order) is on time if every request i is predicted to get its first token within τᵢ of its arrival when
+  every step from now on computes b(T) of them: i finishes in step ⌈(tokens of i and of those ahead of it) /
+  b(T)⌉, each step taking the predicted duration of decodes + b(T).
+* On time: the step is capped at T. Otherwise the queue is a backlog — some first token is late whatever
+  this step does — and the step runs to X·T (or the whole token budget, if that is less), as fcfs would up
+  to that bound. It keeps doing so until no prefill is queued: stopping as soon as the cap looks fast
+  enough again would leave the backlog's last requests right at their TTFT target.
 """
 
 from __future__ import annotations
@@ -37,8 +31,8 @@ from titan.engine.cost_model import StepCostModel, StepShape
 # Why a step got the prefill budget it got (shown in /debug/steps).
 NO_MODEL = "no_model"  # the cost model is not fitted yet: the whole token budget
 NO_DECODES = "no_decodes"  # nobody is mid-stream: no gap to protect, the whole token budget
-ITL_CAP = "itl_cap"  # capped at the ITL target: nothing queued, or widening would not raise goodput
-GOODPUT = "goodput"  # widened: more queued requests meet their TTFT than decodes lose their ITL target
+ITL_CAP = "itl_cap"  # capped at the ITL target: the queue's first tokens are on time at the cap
+BACKLOG = "backlog"  # the excursion bound: at the cap a queued first token is late, or a backlog still drains
 
 
 @dataclass(frozen=True)
@@ -60,9 +54,9 @@ class BudgetDecision:
     ttft_target_ms: float | None  # the first queued request's
     prefill_tokens: int | None  # b(t): prefill tokens a step within the target holds
     queued: int = 0  # queued prefills considered
-    ttft_met_capped: int = 0  # Met(T)
-    ttft_met: int = 0  # Met(chosen t)
-    itl_cost: int = 0  # Cost(chosen t)
+    ttft_met_capped: int = 0  # of them, predicted to get their first token in time at the cap
+    ttft_met: int = 0  # ... at the chosen bound
+    itl_cost: int = 0  # decodes whose first gap over the ITL target this step is
 
     @property
     def target_seconds(self) -> float | None:
@@ -79,53 +73,39 @@ def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, 
 
 
 def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float) -> int:
-    """Queued prefills (in service order) predicted to reach their first token by their deadline: the target
-    after arrival, or for one already past it the next multiple of the target."""
+    """Queued prefills (in service order) predicted to reach their first token within their target of arrival."""
     if tokens_per_step <= 0:
         return 0
     met, ahead = 0, 0
     for item in queue:
         ahead += item.remaining_tokens
-        target = max(item.ttft_target, 1e-6)
-        deadline = (math.floor(max(item.waited_seconds, 0.0) / target) + 1) * target
-        if item.waited_seconds + math.ceil(ahead / tokens_per_step) * step_seconds <= deadline:
+        if item.waited_seconds + math.ceil(ahead / tokens_per_step) * step_seconds <= item.ttft_target:
             met += 1
     return met
 
 
 def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: int, itl_target: float,
-                  queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float) -> BudgetDecision:
+                  queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
+                  draining: bool = False, min_chunk: int = 1) -> BudgetDecision:
     """The module docstring's rule for a step whose decodes have shape `decodes` and `token_budget` tokens
-    left; `fresh_decodes` of them have had no gap over their ITL target yet."""
+    left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: an earlier step found
+    a backlog and the queue has not emptied since; `min_chunk`: prefill tokens a step computes even past the cap."""
 
     def tokens_within(target: float) -> int:
         return cost_model.max_chunk(decodes, 0, token_budget, target)
 
-    capped = tokens_within(itl_target)
-    ms = 1000.0
-    base = BudgetDecision(ITL_CAP, itl_target * ms, itl_target * ms, queue[0].ttft_target * ms if queue else None,
-                          capped, len(queue))
-    if not queue or token_budget <= capped or max_excursion <= 1.0:
-        return base
-
     def met_within(tokens: int) -> int:
         return ttft_met(queue, tokens, cost_model.predict(decodes.plus(tokens, 0)))
 
-    met_capped = met_within(capped)
-    best = BudgetDecision(ITL_CAP, itl_target * ms, itl_target * ms, base.ttft_target_ms, capped, len(queue),
-                          met_capped, met_capped, 0)
-    ceiling = max_excursion * itl_target
-    whole = cost_model.predict(decodes.plus(token_budget, 0))
-    candidates = [itl_target * 2**k for k in range(1, 64) if itl_target * 2**k < min(ceiling, whole)]
-    candidates.append(min(ceiling, whole))
-    for target in candidates:
-        tokens = tokens_within(target)
-        if tokens <= best.prefill_tokens:
-            continue
-        met = met_within(tokens)
-        # Free widening (every decode already missed its ITL target) that saves no fewer first tokens drains
-        # the queue faster for the requests still to come: take it.
-        if met - fresh_decodes > best.ttft_met - best.itl_cost or (fresh_decodes == 0 and met >= best.ttft_met):
-            best = BudgetDecision(GOODPUT, target * ms, itl_target * ms, base.ttft_target_ms, tokens, len(queue),
-                                  met_capped, met, fresh_decodes)
-    return best
+    ms = 1000.0
+    capped = tokens_within(itl_target)
+    first_target = queue[0].ttft_target * ms if queue else None
+    met_capped = met_within(max(capped, min(min_chunk, token_budget)))
+    if (not queue or token_budget <= capped or max_excursion <= 1.0
+            or (not draining and met_capped == len(queue))):
+        return BudgetDecision(ITL_CAP, itl_target * ms, itl_target * ms, first_target, capped, len(queue),
+                              met_capped, met_capped, 0)
+    widest = min(max_excursion * itl_target, cost_model.predict(decodes.plus(token_budget, 0)))
+    tokens = tokens_within(widest)
+    return BudgetDecision(BACKLOG, widest * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
+                          met_within(tokens), fresh_decodes)

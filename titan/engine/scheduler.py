@@ -16,6 +16,7 @@ from titan.config import AUTO_TTFT_FACTOR, SchedulerConfig
 from titan.engine.block_manager import BlockManager, cdiv
 from titan.engine.cost_model import StepCostModel, StepShape, step_target_seconds
 from titan.engine.prefill_budget import (
+    BACKLOG,
     NO_DECODES,
     NO_MODEL,
     BudgetDecision,
@@ -54,7 +55,7 @@ class _StepBuilder:
         self.output.scheduled.append(scheduled)
         self.budget -= scheduled.num_new_tokens
         self.shape = self.shape.plus(scheduled.num_new_tokens, scheduled.start_position)
-        self.has_prefill = self.has_prefill or (scheduled.num_new_tokens > 1 and not scheduled.draft_token_ids)
+        self.has_prefill = self.has_prefill or not scheduled.is_decode
         self.has_decode = self.has_decode or scheduled.is_decode
 
     def remove(self, seq_id: int) -> None:
@@ -89,6 +90,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept sorted by _rank; victims come from the tail
         self.sequences: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self.draining = False  # slo: a backlog was found and the prefill queue has not emptied since
 
     def _rank(self, seq: Sequence) -> tuple[float, float, int]:
         """Order of running sequences (victims come from the end). Lower priority value runs first, as
@@ -225,7 +227,10 @@ class Scheduler:
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
-                                 config.max_itl_excursion)
+                                 config.max_itl_excursion, self.draining, config.min_prefill_chunk)
+        # A backlog is drained until the queue empties, not only until the cap would look fast enough again:
+        # otherwise the cap resumes with the backlog's last requests right at their TTFT target.
+        self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
                 seq.itl_excursions += 1

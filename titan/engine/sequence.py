@@ -65,7 +65,7 @@ class Sequence:
         self.num_recomputed_tokens = 0
         self.preempted_seconds = 0.0
         self.preempted_at: float | None = None
-        # Steps the slo policy let run past this sequence's ITL target (its goodput rule: one is already a miss).
+        # Steps the slo policy let run past this sequence's ITL target (a budget's itl_cost counts first ones).
         self.itl_excursions = 0
         # Timeline (time.monotonic()); None until it happens.
         self.first_scheduled_time: float | None = None
