@@ -155,9 +155,9 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = option(512, "token budget per step")
     max_num_seqs: int = option(64, "sequences per step")
-    policy: str = option("slo", "slo: priority plus prefill chunks capped to keep steps within --itl-slo-ms "
-                         "(auto), draining backlogs at --max-itl-excursion; fcfs: arrival order (vLLM's default); "
-                         "priority: lower `priority` first, with preemption",
+    policy: str = option("fcfs", "fcfs: arrival order (vLLM's default); priority: lower `priority` first, with "
+                         "preemption; slo: priority plus prefill chunks capped to keep steps within --itl-slo-ms "
+                         "(auto), draining backlogs at --max-itl-excursion",
                          flag="scheduling_policy", choices=SCHEDULING_POLICIES)
     aging_seconds: float = option(10.0, "a waiting request gains one priority level per this many seconds (0: off)")
     itl_slo_ms: float | str | None = option(

@@ -17,8 +17,10 @@ carries decodes:
   b(T)⌉, each step taking the predicted duration of decodes + b(T).
 * On time: the step is capped at T. Otherwise the queue is a backlog — some first token is late whatever
   this step does — and the step runs to X·T (or the whole token budget, if that is less), as fcfs would up
-  to that bound. It keeps doing so until no prefill is queued: stopping as soon as the cap looks fast
-  enough again would leave the backlog's last requests right at their TTFT target.
+  to that bound. It keeps doing so until the queue is on time at the cap with half of every target to
+  spare (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave the
+  backlog's last requests right at their TTFT target, and the queue hovering there would switch between
+  cap and drain step after step. Under a sustained overload the drain never ends, as fcfs never caps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ NO_MODEL = "no_model"  # the cost model is not fitted yet: the whole token budge
 NO_DECODES = "no_decodes"  # nobody is mid-stream: no gap to protect, the whole token budget
 ITL_CAP = "itl_cap"  # capped at the ITL target: the queue's first tokens are on time at the cap
 BACKLOG = "backlog"  # the excursion bound: at the cap a queued first token is late, or a backlog still drains
+
+
+# A drain ends when every queued first token is predicted within this share of its TTFT target at the cap.
+DRAIN_EXIT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -72,14 +78,15 @@ def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, 
     return auto_factor * cost_model.predict(StepShape().plus(prompt_tokens, 0))
 
 
-def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float) -> int:
-    """Queued prefills (in service order) predicted to reach their first token within their target of arrival."""
+def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float, share: float = 1.0) -> int:
+    """Queued prefills (in service order) predicted to reach their first token within `share` x their target
+    of arrival."""
     if tokens_per_step <= 0:
         return 0
     met, ahead = 0, 0
     for item in queue:
         ahead += item.remaining_tokens
-        if item.waited_seconds + math.ceil(ahead / tokens_per_step) * step_seconds <= item.ttft_target:
+        if item.waited_seconds + math.ceil(ahead / tokens_per_step) * step_seconds <= share * item.ttft_target:
             met += 1
     return met
 
@@ -88,8 +95,8 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
                   queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
                   draining: bool = False, min_chunk: int = 1) -> BudgetDecision:
     """The module docstring's rule for a step whose decodes have shape `decodes` and `token_budget` tokens
-    left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: an earlier step found
-    a backlog and the queue has not emptied since; `min_chunk`: prefill tokens a step computes even past the cap."""
+    left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: the last step drained
+    a backlog; `min_chunk`: prefill tokens a step computes even past the cap."""
 
     def tokens_within(target: float) -> int:
         return cost_model.max_chunk(decodes, 0, token_budget, target)
@@ -100,9 +107,13 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     ms = 1000.0
     capped = tokens_within(itl_target)
     first_target = queue[0].ttft_target * ms if queue else None
-    met_capped = met_within(max(capped, min(min_chunk, token_budget)))
-    if (not queue or token_budget <= capped or max_excursion <= 1.0
-            or (not draining and met_capped == len(queue))):
+    floor = max(capped, min(min_chunk, token_budget))
+    met_capped = met_within(floor)
+    # A drain ends once the queue is on time at the cap with half its targets to spare, not just on time:
+    # otherwise a backlog hovers at its targets, switching between cap and drain step after step.
+    on_time = met_capped == len(queue) and (not draining or ttft_met(
+        queue, floor, cost_model.predict(decodes.plus(floor, 0)), share=DRAIN_EXIT_SHARE) == len(queue))
+    if not queue or token_budget <= capped or max_excursion <= 1.0 or on_time:
         return BudgetDecision(ITL_CAP, itl_target * ms, itl_target * ms, first_target, capped, len(queue),
                               met_capped, met_capped, 0)
     widest = min(max_excursion * itl_target, cost_model.predict(decodes.plus(token_budget, 0)))

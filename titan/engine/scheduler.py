@@ -90,7 +90,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept sorted by _rank; victims come from the tail
         self.sequences: dict[int, Sequence] = {}
         self.num_preemptions = 0
-        self.draining = False  # slo: a backlog was found and the prefill queue has not emptied since
+        self.draining = False  # slo: the last step drained a backlog (titan.engine.prefill_budget)
 
     def _rank(self, seq: Sequence) -> tuple[float, float, int]:
         """Order of running sequences (victims come from the end). Lower priority value runs first, as
@@ -228,8 +228,6 @@ class Scheduler:
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk)
-        # A backlog is drained until the queue empties, not only until the cap would look fast enough again:
-        # otherwise the cap resumes with the backlog's last requests right at their TTFT target.
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
@@ -308,15 +306,18 @@ class Scheduler:
         return True
 
     def _displace_for(self, step: _StepBuilder, seq: Sequence) -> bool:
-        """Priority policies: preempt the lowest-ranked running sequence if `seq` strictly outranks it.
+        """Priority policies: preempt the lowest-ranked running sequence if `seq` strictly outranks it, in its
+        own priority as well as aged.
 
         The victim keeps the aged priority it was admitted with, so a request that got in by aging is
-        not pushed out at once by the requests it had waited behind.
+        not pushed out at once by the requests it had waited behind. Aging orders the queue but never
+        evicts running work of the same or a better priority: under a long overload every waiting request
+        ages past the running ones, and each would displace one to recompute it later, wasting the machine.
         """
         if not self.uses_priority or not self.running:
             return False
         victim = self.running[-1]
-        if self._aged_priority(seq, time.monotonic()) >= victim.effective_priority:
+        if seq.priority >= victim.priority or self._aged_priority(seq, time.monotonic()) >= victim.effective_priority:
             return False
         self._preempt(victim, step)
         return True
