@@ -149,8 +149,8 @@ class SchedulerConfig:
     so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
     prefill with the fewest tokens left goes first. Under a backlog (at the cap some queued request would
-    miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target until the queue empties
-    (titan.engine.prefill_budget states the rule).
+    miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target until the queue is on
+    time again with half its targets to spare (titan.engine.prefill_budget states the rule).
     """
 
     max_num_batched_tokens: int = option(512, "token budget per step")
@@ -170,7 +170,7 @@ class SchedulerConfig:
                 f"{AUTO_TTFT_FACTOR:g}x the predicted prefill of the request's prompt alone", parse=number_or_auto)
     max_itl_excursion: float = option(
         10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
-             "lets steps run to this many times their ITL target until no prefill is queued (1: never)")
+             "lets steps run to this many times their ITL target until the queue is on time again (1: never)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:

@@ -236,8 +236,8 @@ async def _warm_prefixes(client: httpx.AsyncClient, url: str, config: RunConfig,
     for spec in workload.warm_up_requests():
         body = request_body(spec, config.model, temperature=0.0, ignore_eos=False, include_usage=False,
                             send_priority=False, extra=config.extra_body)
-        result = await send_request(client, url, body, RequestResult(spec.index, spec.request_class,
-                                                                     spec.input_tokens, 1, 0.0), time.perf_counter())
+        result = RequestResult(spec.index, spec.request_class, spec.input_tokens, spec.max_tokens, 0.0)
+        await send_request(client, url, body, result, time.perf_counter())
         if not result.success:
             raise RuntimeError(f"the prefix warm-up request failed: {result.error}")
 

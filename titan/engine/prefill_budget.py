@@ -11,10 +11,11 @@ carries decodes:
   given number, or auto AUTO_TTFT_FACTOR x its whole prompt's predicted prefill alone, so a long prompt may
   take longer than a short one), X the excursion bound (`max_itl_excursion`).
 * Capped, a step holds b(T) prefill tokens: the largest chunk that keeps the predicted step (decodes +
-  chunk) within T. The queue (running prompts still prefilling, then the waiting ones, in the policy's
-  order) is on time if every request i is predicted to get its first token within τᵢ of its arrival when
-  every step from now on computes b(T) of them: i finishes in step ⌈(tokens of i and of those ahead of it) /
-  b(T)⌉, each step taking the predicted duration of decodes + b(T).
+  chunk) within T, or `min_prefill_chunk` if that is more. The queue (running prompts still prefilling,
+  then the waiting ones, in the policy's order) is on time if every request i is predicted to get its
+  first token within τᵢ of its arrival when every step from now on computes b(T) of them: i finishes in
+  step ⌈(tokens of i and of those ahead of it) / b(T)⌉, each step taking the predicted duration of
+  decodes + b(T).
 * On time: the step is capped at T. Otherwise the queue is a backlog — some first token is late whatever
   this step does — and the step runs to X·T (or the whole token budget, if that is less), as fcfs would up
   to that bound. It keeps doing so until the queue is on time at the cap with half of every target to
@@ -108,11 +109,12 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     capped = tokens_within(itl_target)
     first_target = queue[0].ttft_target * ms if queue else None
     floor = max(capped, min(min_chunk, token_budget))
-    met_capped = met_within(floor)
+    capped_step = cost_model.predict(decodes.plus(floor, 0))
+    met_capped = ttft_met(queue, floor, capped_step)
     # A drain ends once the queue is on time at the cap with half its targets to spare, not just on time:
     # otherwise a backlog hovers at its targets, switching between cap and drain step after step.
-    on_time = met_capped == len(queue) and (not draining or ttft_met(
-        queue, floor, cost_model.predict(decodes.plus(floor, 0)), share=DRAIN_EXIT_SHARE) == len(queue))
+    on_time = met_capped == len(queue) and (
+        not draining or ttft_met(queue, floor, capped_step, share=DRAIN_EXIT_SHARE) == len(queue))
     if not queue or token_budget <= capped or max_excursion <= 1.0 or on_time:
         return BudgetDecision(ITL_CAP, itl_target * ms, itl_target * ms, first_target, capped, len(queue),
                               met_capped, met_capped, 0)
