@@ -181,6 +181,46 @@ def test_activation_rounding_is_bit_identical_everywhere(isa: str, bits: int,
     assert not torch.equal(rounded, x)
 
 
+@pytest.mark.parametrize("kind", INT_ACTIVATION_TYPES, ids=lambda k: k.name)
+def test_interleaved_rows_do_not_depend_on_width_or_isa(kind: Q) -> None:
+    """The interleaved kernels give a row the same bits whatever the step's width (1 to a wide step, so
+    one or several packing chunks, a chunk's tail) and whichever ISA runs them: AVX-512 pairs two row
+    groups per 512-bit register (here 9 groups: four pairs and a lone one, which takes the 256-bit
+    kernel), AVX2 runs each group alone, and both do the same operations per output lane. A greedy
+    output or a speculative verification cannot depend on what else is in the batch."""
+    isas = [isa for isa in ("avx2", "avx512", "avx512vnni") if isa in _runnable_isas()]
+    if not isas:
+        pytest.skip("no AVX2 / AVX-512 on this CPU")
+    cols = 768
+    raw = random_blocks(kind, 72, cols, seed=300 + int(kind))
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(9)) * 3
+    try:
+        for isa in isas:
+            assert NATIVE.set_isa(isa) == isa
+            weight = laid_out(quantized(raw, kind, cols), True, isa)
+            whole = ops.quantized_linear(x, weight)
+            if isa == isas[0]:
+                first = whole
+            assert torch.equal(whole, first), isa
+            for rows in (1, 2, 5, 8, 9, 13, 17):
+                for start in (0, 3):
+                    assert torch.equal(ops.quantized_linear(x[start:start + rows], weight),
+                                       whole[start:start + rows]), (isa, rows, start)
+    finally:
+        NATIVE.set_isa("auto")
+
+
+def _runnable_isas() -> set[str]:
+    runnable = {"generic"}
+    if "avx2" in FEATURES:
+        runnable.add("avx2")
+    if "avx512bw" in FEATURES:
+        runnable.add("avx512")
+    if "avx512vnni" in FEATURES:
+        runnable.add("avx512vnni")
+    return runnable
+
+
 @pytest.mark.parametrize("kind", SUPPORTED_TYPES, ids=lambda k: k.name)
 def test_pytorch_fallback_dequantizes_exactly(kind: Q) -> None:
     cols = 256

@@ -1,6 +1,7 @@
 // The 8-row interleaved weight layout (interleave.h): a transpose of 2-byte words, block by block.
 #include "interleave.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels.h"
@@ -25,5 +26,22 @@ void interleaved_row(const uint8_t* w, int64_t row, int64_t row_bytes, int64_t b
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t* unit = group + b * 8 * block_bytes;
         for (int64_t i = 0; i < words; i++) std::memcpy(out + b * block_bytes + 2 * i, unit + 16 * i + 2 * r, 2);
+    }
+}
+
+void x8_pack(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, int chunk, int32_t* xw,
+             float* xd, float* xs) {
+    const int64_t blocks = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t rows = std::min<int64_t>(chunk, M - m0);
+        int32_t* words = xw + m0 * (K / 2);
+        for (int64_t m = 0; m < rows; m++) {
+            const int16_t* row = q + (m0 + m) * K;
+            for (int64_t i = 0; i < K / 2; i++) std::memcpy(words + i * rows + m, row + 2 * i, 4);
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                xd[m0 * blocks + blk * rows + m] = d[(m0 + m) * blocks + blk];
+                xs[m0 * blocks + blk * rows + m] = s[(m0 + m) * blocks + blk];
+            }
+        }
     }
 }

@@ -28,8 +28,9 @@ struct KernelTable {
     void (*gemv_int)(int32_t type, int bits, const uint8_t* w, int64_t row_bytes, int64_t K, const void* xq,
                      const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
     // As gemv_int over weights interleaved by 8 rows (interleave.h) with 16-bit activations, for row
-    // groups [g0, g1) (output rows 8 g0 .. 8 g1). nullptr on the generic ISA.
-    void (*gemv_x8)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int16_t* xq,
+    // groups [g0, g1) (output rows 8 g0 .. 8 g1); the activations packed by x8_pack in chunks of x8_rows.
+    // nullptr on the generic ISA.
+    void (*gemv_x8)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int32_t* xw,
                     const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1);
     // out[(i - i0) * K ..] = row (rows ? rows[i] : i) of w dequantized, for i in [i0, i1).
     void (*dequant)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows,
@@ -40,7 +41,16 @@ struct KernelTable {
                           float* xd, float* xs, float* xr);
     // SwiGLU of one row: out[i] = silu(gate[i]) * up[i] for i < n.
     void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
+    // Activation rows gemv_x8 multiplies per pass (its packing chunk): 4 with 16 vector registers, 8 with 32.
+    int x8_rows;
 };
+
+// Rounded activations [M, K] (int16, with block scales d and sums s [M, K/32]) in gemv_x8's layout: chunks of
+// `chunk` rows (the last may be shorter), each block by block and pair by pair with the chunk's rows side
+// by side: word (blk * 16 + p) * rows + m of a chunk is elements 2p, 2p + 1 of block blk of its row m, and
+// d / s entry blk * rows + m is that block's.
+void x8_pack(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, int chunk, int32_t* xw,
+             float* xd, float* xs);
 
 // The table in use (binding.cpp: the best this CPU runs, or TITAN_KERNEL_ISA's).
 const KernelTable& table();
