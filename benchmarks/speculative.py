@@ -14,7 +14,7 @@ the default model drafting for itself: exact, never faster, and a test that the 
 draft model's own cost and turns speculation off instead of losing.
 
     .venv/bin/python benchmarks/speculative.py [--threads N] [--quick] [--rounds R] [--workloads A,B]
-                                              [--output FILE.json]
+                                              [--configs C,D] [--output FILE.json]
 
 With `--rounds R` every workload runs R times, the servers' order rotating each round; a config's ratio
 to off is taken within each round (the two measured minutes apart, not tens of minutes) and reported as
@@ -38,6 +38,8 @@ from titan.bench.client import RequestResult, make_client, send_request
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "off": None,
     "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 4},
+    # The adaptive rule chooses how many of up to 8 drafts each step verifies.
+    "ngram adaptive k<=8": {"method": "ngram", "num_speculative_tokens": 8},
     "ngram fixed k=4": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     # No smaller model with SmolLM2's tokenizer ships offline: the default model drafting for itself
     # shows the adaptive rule weighing a draft model's cost (it should turn itself off, not lose).
@@ -138,8 +140,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every workload, servers in rotating order")
     parser.add_argument("--workloads", default=None, help="comma-separated subset of the workload names")
+    parser.add_argument("--configs", default=None, help="comma-separated configurations (off always runs)")
     parser.add_argument("--output", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
+    configs = dict(CONFIGS)
+    if args.configs:
+        wanted = [name.strip() for name in args.configs.split(",")]
+        unknown = [name for name in wanted if name not in CONFIGS]
+        if unknown:
+            parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+        configs = {name: CONFIGS[name] for name in CONFIGS if name == "off" or name in wanted}
     scale = 4 if args.quick else 1
     workloads = {
         "copy-heavy x1": (copy_bodies(8 // scale), 1),
@@ -157,7 +167,7 @@ def main() -> None:
     common_args = [] if args.threads is None else ["--threads", str(args.threads)]
     servers = {}
     try:
-        for name, spec in CONFIGS.items():
+        for name, spec in configs.items():
             extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
             servers[name] = ServerProcess(common_args + extra).start()
         # Warm every server (and the adaptive cost model) on a few requests that are not measured.
