@@ -145,10 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     configs = dict(CONFIGS)
     if args.configs:
-        wanted = [name.strip() for name in args.configs.split(",")]
-        unknown = [name for name in wanted if name not in CONFIGS]
-        if unknown:
-            parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+        wanted = subset(parser, "configs", args.configs, CONFIGS)
         configs = {name: CONFIGS[name] for name in CONFIGS if name == "off" or name in wanted}
     scale = 4 if args.quick else 1
     workloads = {
@@ -159,11 +156,7 @@ def main() -> None:
         "burst 32": (burst_bodies(32), 32),
     }
     if args.workloads:
-        wanted = [name.strip() for name in args.workloads.split(",")]
-        unknown = [name for name in wanted if name not in workloads]
-        if unknown:
-            parser.error(f"unknown workloads {unknown}; known: {', '.join(workloads)}")
-        workloads = {name: workloads[name] for name in wanted}
+        workloads = {name: workloads[name] for name in subset(parser, "workloads", args.workloads, workloads)}
     common_args = [] if args.threads is None else ["--threads", str(args.threads)]
     servers = {}
     try:
@@ -200,6 +193,15 @@ def main() -> None:
                   f"{low:5.2f}-{high:<5.2f} {acceptance:>6} {result['outputs_identical']}")
     write_result(args.output, {"cpu": cpu_description(), "threads": args.threads, "rounds": args.rounds,
                                "results": summary})
+
+
+def subset(parser: argparse.ArgumentParser, what: str, text: str, known: dict[str, Any]) -> list[str]:
+    """The comma-separated names of `text`, each one of `known` (else the parser's usage error)."""
+    wanted = [name.strip() for name in text.split(",")]
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; known: {', '.join(known)}")
+    return wanted
 
 
 def measure(server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:

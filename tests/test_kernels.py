@@ -35,11 +35,12 @@ Q = gguf.GGMLQuantizationType
 NATIVE = native()
 NEEDS_NATIVE = pytest.mark.skipif(NATIVE is None, reason="native kernels could not be built")
 FEATURES = set(NATIVE.cpu_features()) if NATIVE is not None else set()
-ISAS = [
-    pytest.param("generic", marks=NEEDS_NATIVE),
-    pytest.param("avx2", marks=pytest.mark.skipif("avx2" not in FEATURES, reason="CPU lacks AVX2")),
-    pytest.param("avx512", marks=pytest.mark.skipif("avx512bw" not in FEATURES, reason="CPU lacks AVX-512")),
-    pytest.param("avx512vnni", marks=pytest.mark.skipif("avx512vnni" not in FEATURES, reason="CPU lacks AVX-512 VNNI")),
+# The vector ISAs and the CPU feature each needs.
+VECTOR_ISA_FEATURES = {"avx2": "avx2", "avx512": "avx512bw", "avx512vnni": "avx512vnni"}
+RUNNABLE_VECTOR_ISAS = [isa for isa, feature in VECTOR_ISA_FEATURES.items() if feature in FEATURES]
+ISAS = [pytest.param("generic", marks=NEEDS_NATIVE)] + [
+    pytest.param(isa, marks=pytest.mark.skipif(feature not in FEATURES, reason=f"CPU lacks {feature}"))
+    for isa, feature in VECTOR_ISA_FEATURES.items()
 ]
 NARROW_BOUND = 1e-5
 BF16_BOUND = 2e-2
@@ -188,7 +189,7 @@ def test_interleaved_rows_do_not_depend_on_width_or_isa(kind: Q) -> None:
     groups per 512-bit register (here 9 groups: four pairs and a lone one, which takes the 256-bit
     kernel), AVX2 runs each group alone, and both do the same operations per output lane. A greedy
     output or a speculative verification cannot depend on what else is in the batch."""
-    isas = [isa for isa in ("avx2", "avx512", "avx512vnni") if isa in _runnable_isas()]
+    isas = RUNNABLE_VECTOR_ISAS
     if not isas:
         pytest.skip("no AVX2 / AVX-512 on this CPU")
     cols = 768
@@ -208,17 +209,6 @@ def test_interleaved_rows_do_not_depend_on_width_or_isa(kind: Q) -> None:
                                        whole[start:start + rows]), (isa, rows, start)
     finally:
         NATIVE.set_isa("auto")
-
-
-def _runnable_isas() -> set[str]:
-    runnable = {"generic"}
-    if "avx2" in FEATURES:
-        runnable.add("avx2")
-    if "avx512bw" in FEATURES:
-        runnable.add("avx512")
-    if "avx512vnni" in FEATURES:
-        runnable.add("avx512vnni")
-    return runnable
 
 
 @pytest.mark.parametrize("kind", SUPPORTED_TYPES, ids=lambda k: k.name)

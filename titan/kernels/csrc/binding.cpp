@@ -190,12 +190,21 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
         if (!rounds_activations(type)) return gemm(x, w, type, K, N, false, true);
         // 8-bit rounding is widened: the interleaved kernels multiply 16-bit words.
         const RoundedRows xr(t, x, K, g_activation_bits, true);
-        std::vector<int32_t> xw(M * K / 2);
-        std::vector<float> xd(xr.d.size()), xs(xr.s.size());
-        x8_pack(xr.q.data(), xr.d.data(), xr.s.data(), M, K, t.x8_rows, xw.data(), xd.data(), xs.data());
+        // One row (every decode product) is already in the packed layout: no copy on the hottest path.
+        std::vector<int32_t> xw;
+        std::vector<float> xd, xs;
+        if (M > 1) {
+            xw.resize(M * K / 2);
+            xd.resize(xr.d.size());
+            xs.resize(xr.s.size());
+            x8_pack(xr.q.data(), xr.d.data(), xr.s.data(), M, K, t.x8_rows, xw.data(), xd.data(), xs.data());
+        }
+        const int32_t* pw = M > 1 ? xw.data() : reinterpret_cast<const int32_t*>(xr.q.data());
+        const float* pd = M > 1 ? xd.data() : xr.d.data();
+        const float* ps = M > 1 ? xs.data() : xr.s.data();
         const int64_t groups = N / 8, threads = std::max<int64_t>(1, at::get_num_threads());
         parallel_chunks(groups, std::max<int64_t>(1, groups / (threads * 8)), [&](int64_t g0, int64_t g1) {
-            t.gemv_x8((int32_t)type, wp, row_bytes, K, xw.data(), xd.data(), xs.data(), M, yp, N, g0, g1);
+            t.gemv_x8((int32_t)type, wp, row_bytes, K, pw, pd, ps, M, yp, N, g0, g1);
         });
         return y;
     }
