@@ -13,6 +13,7 @@ from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape
 from titan.engine.prefill_budget import QueuedPrefill, ttft_met, ttft_target_seconds
+from titan.engine.prefill_demand import MAX_TRACKED_ARRIVALS, PrefillDemand, paced_chunk
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -352,11 +353,13 @@ def test_cost_model_rebuilt_from_decodes_alone_still_prices_a_prefill() -> None:
     assert model.predict(prefill) > 0.8 * truth(prefill)  # at least the old cost, not the decodes'
 
 
-def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0) -> Scheduler:
+def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0, demand_window_s: float = 0.0) -> Scheduler:
     """slo, ITL target 0.245 s, 0.1 s per step + 0.01 s per token: seconds-scale costs, so the few
-    milliseconds a test takes between queuing and scheduling never move a TTFT across its target."""
+    milliseconds a test takes between queuing and scheduling never move a TTFT across its target. Pacing
+    to the prompt arrival rate is off unless a test is about it (its prompts all arrive at once)."""
     config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=245.0,
-                             ttft_target_ms=ttft_target_ms, max_itl_excursion=max_itl_excursion)
+                             ttft_target_ms=ttft_target_ms, max_itl_excursion=max_itl_excursion,
+                             prefill_demand_window_s=demand_window_s)
     return Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01))
 
 
@@ -421,6 +424,68 @@ def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
     assert [seq.itl_excursions for seq in decoders] == [0, 0]
 
 
+def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving() -> None:
+    """610 prompt tokens arrived just now, at the start of a busy spell: over a quarter of the 40 s window,
+    61 tokens/s, 76.25 with the headroom. The ITL cap (12 tokens per 0.24 s step, 50 tokens/s) is on time for
+    the one queued prompt but slower than the arrivals, so the cap widens to the smallest chunk that keeps
+    pace: b >= 76.25 (0.12 + 0.01 b), 39 tokens."""
+    scheduler = budget_scheduler(ttft_target_ms=20_000, demand_window_s=40.0)
+    decoders = with_two_decodes(scheduler)  # 2 x 4 prompt tokens
+    queue_now(scheduler, 1, 602)
+    output = step(scheduler)
+    budget = output.budget
+    assert (budget.reason, budget.prefill_tokens, budget.ttft_met_capped) == ("paced", 39, 1)
+    assert budget.demand_tokens_per_s == pytest.approx(61.0)
+    assert budget.step_target_ms == pytest.approx(510.0) and budget.itl_target_ms == pytest.approx(245.0)
+    assert output.num_batched_tokens == 2 + 39
+    assert [seq.itl_excursions for seq in decoders] == [0, 0]
+    # Without pacing the same queue stays at the ITL cap.
+    unpaced = budget_scheduler(ttft_target_ms=20_000)
+    with_two_decodes(unpaced)
+    queue_now(unpaced, 1, 602)
+    unpaced_budget = step(unpaced).budget
+    assert (unpaced_budget.reason, unpaced_budget.prefill_tokens) == ("itl_cap", 12)
+
+
+def test_auto_ttft_target_leaves_out_the_prefix_cache_hit() -> None:
+    """A prompt behind a hot 40-token prefix computes only its 8-token suffix: its auto target is 10 x the
+    suffix's prefill (0.1 + 0.08 s), not the whole prompt's (0.1 + 0.48 s), and the queue counts 8 tokens."""
+    scheduler = budget_scheduler(ttft_target_ms="auto")  # type: ignore[arg-type]
+    with_two_decodes(scheduler)
+    (first,) = queue_now(scheduler, 1, 40)
+    while first.num_computed_tokens < first.num_prompt_tokens:
+        step(scheduler)
+    follower = Sequence([*first.prompt_token_ids, *range(900, 908)], SamplingParams(max_tokens=5, ignore_eos=True))
+    scheduler.add(follower)
+    budget = step(scheduler).budget
+    assert budget.queued == 1 and budget.ttft_target_ms == pytest.approx(1800.0)
+    assert budget.prefill_tokens >= 8 and follower.num_cached_tokens == 40
+
+
+def test_prefill_demand_counts_uncached_tokens_within_its_window() -> None:
+    demand = PrefillDemand(window_seconds=10.0)
+    demand.record(1, 300, now=100.0)
+    assert demand.rate(now=100.5) == pytest.approx(300 / 2.5)  # a busy spell's start: over a quarter window
+    demand.record(2, 200, now=105.0)
+    assert demand.rate(now=106.0) == pytest.approx(500 / 6.0)  # over the time since the oldest arrival
+    demand.discount(2, num_cached=150)  # the prefix cache held 150 of its tokens
+    demand.discount(2, num_cached=150)  # counted once
+    assert demand.rate(now=110.0) == pytest.approx(350 / 10.0)
+    assert demand.rate(now=112.0) == pytest.approx(50 / 7.0)  # the first arrival left the window
+    assert demand.rate(now=200.0) == 0.0
+    for seq_id in range(2 * MAX_TRACKED_ARRIVALS):  # bounded whatever the arrival rate
+        demand.record(seq_id, 1, now=300.0)
+    assert demand.rate(now=310.0) == pytest.approx(MAX_TRACKED_ARRIVALS / 10.0)
+
+
+def test_paced_chunk_is_the_smallest_that_keeps_pace() -> None:
+    model = fixed_cost_model(0.1, 0.01)
+    decodes = StepShape().plus(1, 10).plus(1, 10)  # 0.12 s alone
+    assert paced_chunk(model, decodes, 256, 20.0) == 3  # 3 >= 20 x 0.15
+    assert paced_chunk(model, decodes, 256, 0.0) == 0
+    assert paced_chunk(model, decodes, 256, 100.0) == 256  # nothing keeps pace: the whole budget
+
+
 def test_slo_policy_drains_for_a_request_already_past_its_ttft() -> None:
     """A 4-token prompt queued 12 s ago, past its 10 s target: late whatever the budget, so the step drains."""
     scheduler = budget_scheduler(ttft_target_ms=10_000)
@@ -464,6 +529,8 @@ def test_scheduler_config_checks_the_goodput_options() -> None:
         SchedulerConfig(policy="slo", ttft_target_ms="soon")
     with pytest.raises(ValueError, match="max_itl_excursion"):
         SchedulerConfig(policy="slo", max_itl_excursion=0.5)
+    with pytest.raises(ValueError, match="prefill_demand_window_s"):
+        SchedulerConfig(policy="slo", prefill_demand_window_s=-1.0)
 
 
 def test_auto_ttft_target_follows_the_prompt_length() -> None:

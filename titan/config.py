@@ -150,7 +150,8 @@ class SchedulerConfig:
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
     prefill with the fewest tokens left goes first. Under a backlog (at the cap some queued request would
     miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target until the queue is on
-    time again with half its targets to spare (titan.engine.prefill_budget states the rule).
+    time again with half its targets to spare (titan.engine.prefill_budget states the rule); the cap widens
+    to keep pace with the prompt tokens arriving over `prefill_demand_window_s` (titan.engine.prefill_demand).
     """
 
     max_num_batched_tokens: int = option(512, "token budget per step")
@@ -171,6 +172,9 @@ class SchedulerConfig:
     max_itl_excursion: float = option(
         10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
              "lets steps run to this many times their ITL target until the queue is on time again (1: never)")
+    prefill_demand_window_s: float = option(
+        10.0, "the slo cap keeps pace with the prompt tokens that arrived over this many seconds, so steady "
+              "traffic never builds a backlog (0: the ITL target alone sizes the cap)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -195,6 +199,8 @@ class SchedulerConfig:
             raise ValueError("ttft_target_ms must be positive")
         if self.max_itl_excursion < 1.0:
             raise ValueError("max_itl_excursion must be at least 1 (1: never exceed the ITL target)")
+        if self.prefill_demand_window_s < 0:
+            raise ValueError("prefill_demand_window_s must be non-negative (0: no pacing)")
 
 
 @dataclass(frozen=True)

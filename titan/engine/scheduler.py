@@ -24,6 +24,7 @@ from titan.engine.prefill_budget import (
     choose_budget,
     ttft_target_seconds,
 )
+from titan.engine.prefill_demand import PrefillDemand
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence, SequenceStatus
 from titan.engine.spec.planner import SpeculationPlanner
@@ -91,6 +92,8 @@ class Scheduler:
         self.sequences: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self.draining = False  # slo: the last step drained a backlog (titan.engine.prefill_budget)
+        window = config.prefill_demand_window_s
+        self.demand = PrefillDemand(window) if config.policy == "slo" and window > 0 else None
 
     def _rank(self, seq: Sequence) -> tuple[float, float, int]:
         """Order of running sequences (victims come from the end). Lower priority value runs first, as
@@ -132,6 +135,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
+        if self.demand is not None:
+            self.demand.record(seq.seq_id, seq.num_prompt_tokens, time.monotonic())
 
     @property
     def has_unfinished(self) -> bool:
@@ -221,19 +226,33 @@ class Scheduler:
             step.output.budget = BudgetDecision(NO_DECODES, None, None, None, None)
             return
         queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._prefill_key(seq, now))
-        queued = [QueuedPrefill(seq.num_tokens - seq.num_computed_tokens, now - seq.arrival_time,
-                                ttft_target_seconds(config.ttft_target_ms, model, seq.num_tokens, AUTO_TTFT_FACTOR))
-                  for seq in queue]
+        queued = []
+        for seq in queue:
+            remaining, prompt_work = self._prefill_work(seq)
+            queued.append(QueuedPrefill(remaining, now - seq.arrival_time, ttft_target_seconds(
+                config.ttft_target_ms, model, prompt_work, AUTO_TTFT_FACTOR)))
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
-                                 config.max_itl_excursion, self.draining, config.min_prefill_chunk)
+                                 config.max_itl_excursion, self.draining, config.min_prefill_chunk,
+                                 self.demand.rate(now) if self.demand is not None else 0.0)
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
                 seq.itl_excursions += 1
         step.output.budget = decision
         step.target = decision.target_seconds
+
+    def _prefill_work(self, seq: Sequence) -> tuple[int, int]:
+        """Prompt tokens `seq` still has to compute, and all it computes for its first token. A waiting
+        prompt's prefix-cache hit is counted: a request behind a hot system prompt has only its suffix to do,
+        so its work and its auto TTFT target are the suffix's, not the whole prompt's."""
+        if seq.status is SequenceStatus.RUNNING:
+            return seq.num_tokens - seq.num_computed_tokens, seq.num_tokens - seq.num_cached_tokens
+        cached = 0
+        if seq.sampling_params.prompt_logprobs is None:
+            cached = len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
+        return seq.num_tokens - cached, seq.num_tokens - cached
 
     def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
         """slo's prefill order: priority (aged), then the fewest tokens left to compute, so a short prompt's
@@ -286,6 +305,8 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.num_cached_tokens = num_cached
             seq.first_scheduled_time = now
+            if self.demand is not None:
+                self.demand.discount(seq.seq_id, num_cached)
         if seq.preempted_at is not None:
             seq.preempted_seconds += now - seq.preempted_at
             seq.preempted_at = None

@@ -1,0 +1,95 @@
+"""How fast prompt tokens arrive, so the slo policy's cap keeps pace with steady traffic.
+
+A cap sized by the ITL target alone holds a handful of prompt tokens per step. Under steady traffic that
+prefills slower than the prompts arrive: every few seconds the queue turns into a backlog and is drained
+with long steps, and those few drain steps are the token-gap tail. Pacing instead spreads the same prefill
+work evenly over the steps: each capped step computes at least the tokens that keep up with the arrival
+rate measured over the last `window_seconds` (with DEMAND_HEADROOM to spare), so the queue stays on time
+and the steps look alike. Under an overload no chunk keeps pace and the steps take the whole budget, as
+fcfs's do.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from titan.engine.cost_model import StepCostModel, StepShape
+
+# Prefill at least this much faster than prompts arrive: arrivals are bursty (Poisson), and a cap that only
+# matched the mean would let the queue's random walk reach a backlog anyway.
+DEMAND_HEADROOM = 1.25
+MIN_SPAN_SHARE = 0.25  # the shortest span a rate is measured over, as a share of the window
+MAX_TRACKED_ARRIVALS = 4096  # bounds the memory whatever the arrival rate
+
+
+@dataclass(slots=True)
+class _Arrival:
+    time: float
+    seq_id: int
+    tokens: int  # still counted: the prompt less what the prefix cache held
+
+
+class PrefillDemand:
+    """Prompt tokens to compute that arrived in the last `window_seconds`, per second."""
+
+    def __init__(self, window_seconds: float) -> None:
+        self.window_seconds = window_seconds
+        self._arrivals: deque[_Arrival] = deque()  # oldest first
+        self._by_seq: dict[int, _Arrival] = {}
+        self._tokens = 0
+
+    def record(self, seq_id: int, num_tokens: int, now: float) -> None:
+        """A prompt of `num_tokens` arrived."""
+        if len(self._arrivals) >= MAX_TRACKED_ARRIVALS:
+            self._drop_oldest()
+        entry = _Arrival(now, seq_id, num_tokens)
+        self._arrivals.append(entry)
+        self._by_seq[seq_id] = entry
+        self._tokens += num_tokens
+
+    def discount(self, seq_id: int, num_cached: int) -> None:
+        """`num_cached` of a recorded prompt's tokens were found in the prefix cache: no work to pace."""
+        entry = self._by_seq.pop(seq_id, None)
+        if entry is not None:
+            taken = min(entry.tokens, num_cached)
+            entry.tokens -= taken
+            self._tokens -= taken
+
+    def rate(self, now: float) -> float:
+        """Tokens per second over the window. After an idle spell the window is not full yet: the rate is
+        over the time since the oldest arrival in it, but at least MIN_SPAN_SHARE of the window, so the
+        first request of a busy spell does not look like a flood and the next ones are not taken for a
+        trickle."""
+        while self._arrivals and self._arrivals[0].time < now - self.window_seconds:
+            self._drop_oldest()
+        if not self._arrivals:
+            return 0.0
+        span = max(now - self._arrivals[0].time, MIN_SPAN_SHARE * self.window_seconds)
+        return self._tokens / span
+
+    def _drop_oldest(self) -> None:
+        entry = self._arrivals.popleft()
+        self._tokens -= entry.tokens
+        self._by_seq.pop(entry.seq_id, None)
+
+
+def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int, tokens_per_second: float) -> int:
+    """The smallest prefill chunk whose step, beside `decodes`, computes prompt tokens at least at
+    `tokens_per_second`; the whole budget when none keeps pace (an overload)."""
+    if tokens_per_second <= 0 or token_budget <= 0:
+        return 0
+
+    def keeps_pace(chunk: int) -> bool:
+        return chunk >= tokens_per_second * cost_model.predict(decodes.plus(chunk, 0))
+
+    if not keeps_pace(token_budget):
+        return token_budget
+    low, high = 1, token_budget  # chunk / step time grows with the chunk: the step's fixed cost is shared
+    while low < high:
+        middle = (low + high) // 2
+        if keeps_pace(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
