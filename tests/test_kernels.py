@@ -182,16 +182,20 @@ def test_activation_rounding_is_bit_identical_everywhere(isa: str, bits: int,
     assert not torch.equal(rounded, x)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("kind", INT_ACTIVATION_TYPES, ids=lambda k: k.name)
-def test_interleaved_rows_do_not_depend_on_width_or_isa(kind: Q) -> None:
+def test_interleaved_rows_do_not_depend_on_width_or_isa(kind: Q, bits: int,
+                                                        set_activation_bits: Callable[[int], None]) -> None:
     """The interleaved kernels give a row the same bits whatever the step's width (1 to a wide step, so
     one or several packing chunks, a chunk's tail) and whichever ISA runs them: AVX-512 pairs two row
     groups per 512-bit register (here 9 groups: four pairs and a lone one, which takes the 256-bit
-    kernel), AVX2 runs each group alone, and both do the same operations per output lane. A greedy
+    kernel), AVX2 runs each group alone, and both do the same operations per output lane; 8-bit
+    activations take vpdpbusd with VNNI and maddubs without, the same exact integer sums. A greedy
     output or a speculative verification cannot depend on what else is in the batch."""
     isas = RUNNABLE_VECTOR_ISAS
     if not isas:
         pytest.skip("no AVX2 / AVX-512 on this CPU")
+    set_activation_bits(bits)
     cols = 768
     raw = random_blocks(kind, 72, cols, seed=300 + int(kind))
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(9)) * 3

@@ -153,21 +153,14 @@ torch::Tensor interleave(const torch::Tensor& w, int64_t type, int64_t K) {
 }
 
 // Rows of x rounded per block of 32 as the integer kernels take them: q [M, K] (int16, or int8 packed in
-// the first half unless `widen`, which stores 8-bit values as int16 words), block scales d and d * sum(q).
+// the first half), block scales d and d * sum(q).
 struct RoundedRows {
     std::vector<int16_t> q;
     std::vector<float> d, s;
 
-    RoundedRows(const KernelTable& t, const torch::Tensor& x, int64_t K, int bits, bool widen)
+    RoundedRows(const KernelTable& t, const torch::Tensor& x, int64_t K, int bits)
         : q(x.size(0) * K), d(x.size(0) * (K / 32)), s(x.size(0) * (K / 32)) {
-        const int64_t M = x.size(0);
-        if (bits == 8 && widen) {
-            std::vector<int8_t> narrow(M * K);
-            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, 8, narrow.data(), d.data(), s.data(), nullptr);
-            std::copy(narrow.begin(), narrow.end(), q.begin());
-        } else {
-            t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, M, K, bits, q.data(), d.data(), s.data(), nullptr);
-        }
+        t.quantize_rows(x.data_ptr<float>(), x.stride(0), 0, x.size(0), K, bits, q.data(), d.data(), s.data(), nullptr);
     }
 };
 
@@ -188,29 +181,35 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
         TORCH_CHECK(t.gemv_x8 != nullptr && N % 8 == 0, "interleaved weights need the AVX2 / AVX-512 kernels");
         // Float activations (TITAN_ACTIVATION_BITS=0): the whole matrix dequantized into one GEMM, slowly.
         if (!rounds_activations(type)) return gemm(x, w, type, K, N, false, true);
-        // 8-bit rounding is widened: the interleaved kernels multiply 16-bit words.
-        const RoundedRows xr(t, x, K, g_activation_bits, true);
-        // One row (every decode product) is already in the packed layout: no copy on the hottest path.
+        const int bits = g_activation_bits;
+        const RoundedRows xr(t, x, K, bits);
+        // One 16-bit row (every decode product) is already in the packed layout: no copy on the hottest path.
+        // 8-bit rows are reordered into quads, a copy of K bytes.
         std::vector<int32_t> xw;
         std::vector<float> xd, xs;
-        if (M > 1) {
-            xw.resize(M * K / 2);
+        const bool pack = bits == 8 || M > 1;
+        if (pack) {
+            xw.resize(M * K / (bits == 8 ? 4 : 2));
             xd.resize(xr.d.size());
             xs.resize(xr.s.size());
-            x8_pack(xr.q.data(), xr.d.data(), xr.s.data(), M, K, t.x8_rows, xw.data(), xd.data(), xs.data());
+            if (bits == 8)
+                x8_pack_bytes(reinterpret_cast<const int8_t*>(xr.q.data()), xr.d.data(), xr.s.data(), M, K, t.x8_rows,
+                              xw.data(), xd.data(), xs.data());
+            else
+                x8_pack(xr.q.data(), xr.d.data(), xr.s.data(), M, K, t.x8_rows, xw.data(), xd.data(), xs.data());
         }
-        const int32_t* pw = M > 1 ? xw.data() : reinterpret_cast<const int32_t*>(xr.q.data());
-        const float* pd = M > 1 ? xd.data() : xr.d.data();
-        const float* ps = M > 1 ? xs.data() : xr.s.data();
+        const int32_t* pw = pack ? xw.data() : reinterpret_cast<const int32_t*>(xr.q.data());
+        const float* pd = pack ? xd.data() : xr.d.data();
+        const float* ps = pack ? xs.data() : xr.s.data();
         const int64_t groups = N / 8, threads = std::max<int64_t>(1, at::get_num_threads());
         parallel_chunks(groups, std::max<int64_t>(1, groups / (threads * 8)), [&](int64_t g0, int64_t g1) {
-            t.gemv_x8((int32_t)type, wp, row_bytes, K, pw, pd, ps, M, yp, N, g0, g1);
+            t.gemv_x8((int32_t)type, bits, wp, row_bytes, K, pw, pd, ps, M, yp, N, g0, g1);
         });
         return y;
     }
     if (rounds_activations(type) && t.gemv_int != nullptr) {
         const int bits = g_activation_bits;
-        const RoundedRows xr(t, x, K, bits, false);
+        const RoundedRows xr(t, x, K, bits);
         parallel_chunks(N, grain_for(N), [&](int64_t n0, int64_t n1) {
             t.gemv_int((int32_t)type, bits, wp, row_bytes, K, xr.q.data(), xr.d.data(), xr.s.data(), M, yp, N, n0, n1);
         });

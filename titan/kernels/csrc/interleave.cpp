@@ -29,6 +29,16 @@ void interleaved_row(const uint8_t* w, int64_t row, int64_t row_bytes, int64_t b
     }
 }
 
+// The block scales and sums of a chunk, side by side (both packings).
+static void pack_scales(const float* d, const float* s, int64_t m0, int64_t rows, int64_t blocks, float* xd,
+                        float* xs) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            xd[m0 * blocks + blk * rows + m] = d[(m0 + m) * blocks + blk];
+            xs[m0 * blocks + blk * rows + m] = s[(m0 + m) * blocks + blk];
+        }
+}
+
 void x8_pack(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, int chunk, int32_t* xw,
              float* xd, float* xs) {
     const int64_t blocks = K / 32;
@@ -38,10 +48,25 @@ void x8_pack(const int16_t* q, const float* d, const float* s, int64_t M, int64_
         for (int64_t m = 0; m < rows; m++) {
             const int16_t* row = q + (m0 + m) * K;
             for (int64_t i = 0; i < K / 2; i++) std::memcpy(words + i * rows + m, row + 2 * i, 4);
-            for (int64_t blk = 0; blk < blocks; blk++) {
-                xd[m0 * blocks + blk * rows + m] = d[(m0 + m) * blocks + blk];
-                xs[m0 * blocks + blk * rows + m] = s[(m0 + m) * blocks + blk];
-            }
         }
+        pack_scales(d, s, m0, rows, blocks, xd, xs);
+    }
+}
+
+void x8_pack_bytes(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, int chunk, int32_t* xw,
+                   float* xd, float* xs) {
+    const int64_t blocks = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t rows = std::min<int64_t>(chunk, M - m0);
+        int32_t* words = xw + m0 * (K / 4);
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int8_t* block = q + (m0 + m) * K + blk * 32;
+                for (int64_t p = 0; p < 8; p++) {
+                    const int8_t quad[4] = {block[2 * p], block[2 * p + 1], block[2 * p + 16], block[2 * p + 17]};
+                    std::memcpy(words + (blk * 8 + p) * rows + m, quad, 4);
+                }
+            }
+        pack_scales(d, s, m0, rows, blocks, xd, xs);
     }
 }

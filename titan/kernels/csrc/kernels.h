@@ -27,10 +27,10 @@ struct KernelTable {
     // xs [M, K/32] scale * sum of the block's xq. Integer dot products; nullptr on the generic ISA.
     void (*gemv_int)(int32_t type, int bits, const uint8_t* w, int64_t row_bytes, int64_t K, const void* xq,
                      const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
-    // As gemv_int over weights interleaved by 8 rows (interleave.h) with 16-bit activations, for row
-    // groups [g0, g1) (output rows 8 g0 .. 8 g1); the activations packed by x8_pack in chunks of x8_rows.
+    // As gemv_int over weights interleaved by 8 rows (interleave.h), for row groups [g0, g1) (output rows
+    // 8 g0 .. 8 g1); the activations packed by x8_pack (16 bits) or x8_pack_bytes (8) in chunks of x8_rows.
     // nullptr on the generic ISA.
-    void (*gemv_x8)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int32_t* xw,
+    void (*gemv_x8)(int32_t type, int bits, const uint8_t* w, int64_t row_bytes, int64_t K, const int32_t* xw,
                     const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1);
     // out[(i - i0) * K ..] = row (rows ? rows[i] : i) of w dequantized, for i in [i0, i1).
     void (*dequant)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows,
@@ -51,6 +51,11 @@ struct KernelTable {
 // d / s entry blk * rows + m is that block's.
 void x8_pack(const int16_t* q, const float* d, const float* s, int64_t M, int64_t K, int chunk, int32_t* xw,
              float* xd, float* xs);
+
+// The same for 8-bit rounded activations: word (blk * 8 + p) * rows + m of a chunk holds elements 2p,
+// 2p + 1, 2p + 16, 2p + 17 of block blk of its row m (the four bytes one lane of the 8-bit kernel takes).
+void x8_pack_bytes(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, int chunk, int32_t* xw,
+                   float* xd, float* xs);
 
 // The table in use (binding.cpp: the best this CPU runs, or TITAN_KERNEL_ISA's).
 const KernelTable& table();
