@@ -18,7 +18,9 @@ draft model's own cost and turns speculation off instead of losing.
 
 With `--rounds R` every workload runs R times, the servers' order rotating each round; a config's ratio
 to off is taken within each round (the two measured minutes apart, not tens of minutes) and reported as
-the median with its range, so the machine's drift does not pass for a speed-up.
+the median with its range, so the machine's drift does not pass for a speed-up. Single-stream workloads
+go to all servers request by request (request i to each server in turn, then request i + 1), so the
+configurations compared are measured seconds apart, not minutes.
 """
 
 from __future__ import annotations
@@ -93,27 +95,26 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def run_load(server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
-    limit = asyncio.Semaphore(concurrency)
-    url = server.url + "/v1/chat/completions"
-    texts: dict[int, str] = {}
-    async with make_client(600.0) as client:
-        start = time.perf_counter()
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
-        async def one(index: int, body: dict[str, Any]) -> RequestResult:
-            async with limit:
-                result = RequestResult(index, "bench", 0, body["max_tokens"], time.perf_counter() - start)
-                full = {**body, "model": "SmolLM2-135M-Instruct.Q4_1", "stream": True,
-                        "stream_options": {"include_usage": True}}
-                await send_request(client, url, full, result, start)
-                return result
 
-        results = await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
-        wall = time.perf_counter() - start
-        # The text of each (deterministic) request, for the exactness check: ask again without streaming.
-        for index, body in enumerate(bodies[:8]):
-            reply = await client.post(url, json={**body, "model": "SmolLM2-135M-Instruct.Q4_1"})
-            texts[index] = reply.json()["choices"][0]["message"]["content"]
+async def stream_one(client: Any, url: str, index: int, body: dict[str, Any], start: float) -> RequestResult:
+    result = RequestResult(index, "bench", 0, body["max_tokens"], time.perf_counter() - start)
+    full = {**body, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
+    await send_request(client, url, full, result, start)
+    return result
+
+
+async def reply_texts(client: Any, url: str, bodies: list[dict[str, Any]]) -> dict[int, str]:
+    """The text of each (deterministic) request, for the exactness check: asked again without streaming."""
+    texts = {}
+    for index, body in enumerate(bodies[:8]):
+        reply = await client.post(url, json={**body, "model": MODEL})
+        texts[index] = reply.json()["choices"][0]["message"]["content"]
+    return texts
+
+
+def load_summary(results: list[RequestResult], wall: float, texts: dict[int, str]) -> dict[str, Any]:
     ok = [r for r in results if r.success]
     tokens = sum(r.completion_tokens or 0 for r in ok)
     tpots = [r.tpot for r in ok if r.tpot is not None]
@@ -122,6 +123,43 @@ async def run_load(server: ServerProcess, bodies: list[dict[str, Any]], concurre
             "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 2),
             "tpot_ms_p50": ms(percentile(tpots, 50)), "tpot_ms_p99": ms(percentile(tpots, 99)),
             "itl_ms_p50": ms(percentile(itls, 50)), "itl_ms_p99": ms(percentile(itls, 99)), "texts": texts}
+
+
+async def run_load(server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    limit = asyncio.Semaphore(concurrency)
+    url = server.url + "/v1/chat/completions"
+    async with make_client(600.0) as client:
+        start = time.perf_counter()
+
+        async def one(index: int, body: dict[str, Any]) -> RequestResult:
+            async with limit:
+                return await stream_one(client, url, index, body, start)
+
+        results = await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
+        wall = time.perf_counter() - start
+        texts = await reply_texts(client, url, bodies)
+    return load_summary(list(results), wall, texts)
+
+
+async def run_paired(servers: dict[str, ServerProcess], bodies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A single stream to every server at once, request by request: request i goes to each server in turn
+    (the order rotating per request) before request i + 1, so every configuration's requests are spread
+    over the same seconds and the machine's drift falls on all of them alike. A server's wall time is
+    the sum of its own requests' times."""
+    names = list(servers)
+    results: dict[str, list[RequestResult]] = {name: [] for name in names}
+    walls = dict.fromkeys(names, 0.0)
+    async with make_client(600.0) as client:
+        for index, body in enumerate(bodies):
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                began = time.perf_counter()
+                results[name].append(await stream_one(client, servers[name].url + "/v1/chat/completions", index,
+                                                      body, began))
+                walls[name] += time.perf_counter() - began
+        texts = {name: await reply_texts(client, server.url + "/v1/chat/completions", bodies)
+                 for name, server in servers.items()}
+    return {name: load_summary(results[name], walls[name], texts[name]) for name in names}
 
 
 def ms(seconds: float | None) -> float:
@@ -171,8 +209,13 @@ def main() -> None:
         for workload, (bodies, concurrency) in workloads.items():
             for round_index in range(args.rounds):
                 shift = round_index % len(names)
-                for name in names[shift:] + names[:shift]:
-                    result = measure(servers[name], bodies, concurrency)
+                order = names[shift:] + names[:shift]
+                if concurrency == 1:
+                    measured = measure_paired({name: servers[name] for name in order}, bodies)
+                else:
+                    measured = {name: measure(servers[name], bodies, concurrency) for name in order}
+                for name in order:
+                    result = measured[name]
                     rows.setdefault(workload, {}).setdefault(name, []).append(result)
                     print(f"{workload:15s} {name:20s} {result['output_tok_s']:7.1f} tok/s  "
                           f"TPOT {result['tpot_ms_p50']:6.1f}/{result['tpot_ms_p99']:6.1f} ms  "
@@ -204,15 +247,27 @@ def subset(parser: argparse.ArgumentParser, what: str, text: str, known: dict[st
     return wanted
 
 
-def measure(server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
-    """One run of a workload on one server, with the acceptance its spec-decode counters saw meanwhile."""
-    before = spec_counters(server)
-    result = asyncio.run(run_load(server, bodies, concurrency))
-    after = spec_counters(server)
+def with_acceptance(result: dict[str, Any], before: tuple[float, float], after: tuple[float, float]) -> dict[str, Any]:
+    """The result with the acceptance its server's spec-decode counters saw between `before` and `after`."""
     drafts, accepted = after[0] - before[0], after[1] - before[1]
     result["acceptance"] = round(accepted / drafts, 3) if drafts else None
     result["draft_tokens"] = int(drafts)
     return result
+
+
+def measure(server: ServerProcess, bodies: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """One run of a workload on one server."""
+    before = spec_counters(server)
+    result = asyncio.run(run_load(server, bodies, concurrency))
+    return with_acceptance(result, before, spec_counters(server))
+
+
+def measure_paired(servers: dict[str, ServerProcess], bodies: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One single-stream run of a workload on every server, request by request (run_paired)."""
+    before = {name: spec_counters(server) for name, server in servers.items()}
+    results = asyncio.run(run_paired(servers, bodies))
+    return {name: with_acceptance(results[name], before[name], spec_counters(server))
+            for name, server in servers.items()}
 
 
 def summarize(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
