@@ -72,19 +72,26 @@ BURST_TEXT = ("The history of computing is a story of people who wanted to calcu
               "cheaper and more reliable. ")
 
 
-def copy_bodies(count: int) -> list[dict[str, Any]]:
+def session_messages(session: str, content: str) -> list[dict[str, str]]:
+    """A user turn behind a system prompt naming the session: each round sends prompts no server has seen,
+    so a repeated round measures prefill again instead of hitting the prefix cache."""
+    return [{"role": "system", "content": f"You are a helpful assistant. Session {session}."},
+            {"role": "user", "content": content}]
+
+
+def copy_bodies(count: int, session: str = "0") -> list[dict[str, Any]]:
     tasks = [task.format(passage) for passage in PASSAGES for task in COPY_TASKS]
-    return [{"messages": [{"role": "user", "content": tasks[i % len(tasks)]}], "max_tokens": 128,
-             "temperature": 0.0} for i in range(count)]
+    return [{"messages": session_messages(session, tasks[i % len(tasks)]), "max_tokens": 128, "temperature": 0.0}
+            for i in range(count)]
 
 
-def open_bodies(count: int) -> list[dict[str, Any]]:
-    return [{"messages": [{"role": "user", "content": OPEN_PROMPTS[i % len(OPEN_PROMPTS)]}], "max_tokens": 96,
+def open_bodies(count: int, session: str = "0") -> list[dict[str, Any]]:
+    return [{"messages": session_messages(session, OPEN_PROMPTS[i % len(OPEN_PROMPTS)]), "max_tokens": 96,
              "temperature": 0.8, "seed": i} for i in range(count)]
 
 
-def burst_bodies(count: int) -> list[dict[str, Any]]:
-    return [{"messages": [{"role": "user", "content": f"Document {i}: " + BURST_TEXT * 4 + "Summarize it."}],
+def burst_bodies(count: int, session: str = "0") -> list[dict[str, Any]]:
+    return [{"messages": session_messages(session, f"Document {i}: " + BURST_TEXT * 4 + "Summarize it."),
              "max_tokens": 64, "temperature": 0.0, "ignore_eos": True, "min_tokens": 64} for i in range(count)]
 
 
@@ -187,11 +194,11 @@ def main() -> None:
         configs = {name: CONFIGS[name] for name in CONFIGS if name == "off" or name in wanted}
     scale = 4 if args.quick else 1
     workloads = {
-        "copy-heavy x1": (copy_bodies(8 // scale), 1),
-        "copy-heavy x16": (copy_bodies(32 // scale), 16),
-        "open-ended x1": (open_bodies(8 // scale), 1),
-        "open-ended x16": (open_bodies(32 // scale), 16),
-        "burst 32": (burst_bodies(32), 32),
+        "copy-heavy x1": (lambda session: copy_bodies(8 // scale, session), 1),
+        "copy-heavy x16": (lambda session: copy_bodies(32 // scale, session), 16),
+        "open-ended x1": (lambda session: open_bodies(8 // scale, session), 1),
+        "open-ended x16": (lambda session: open_bodies(32 // scale, session), 16),
+        "burst 32": (lambda session: burst_bodies(32, session), 32),
     }
     if args.workloads:
         workloads = {name: workloads[name] for name in subset(parser, "workloads", args.workloads, workloads)}
@@ -203,11 +210,12 @@ def main() -> None:
             servers[name] = ServerProcess(common_args + extra).start()
         # Warm every server (and the adaptive cost model) on a few requests that are not measured.
         for server in servers.values():
-            asyncio.run(run_load(server, copy_bodies(2) + open_bodies(2), 2))
+            asyncio.run(run_load(server, copy_bodies(2, "warm-up") + open_bodies(2, "warm-up"), 2))
         rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
         names = list(servers)
-        for workload, (bodies, concurrency) in workloads.items():
+        for workload, (make_bodies, concurrency) in workloads.items():
             for round_index in range(args.rounds):
+                bodies = make_bodies(f"{workload} {round_index}")
                 shift = round_index % len(names)
                 order = names[shift:] + names[:shift]
                 if concurrency == 1:
