@@ -20,7 +20,7 @@ from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from titan.engine.sequence import Sequence, SequenceStatus
-from titan.engine.spec.planner import SpeculationPlanner
+from titan.engine.spec.planner import PROBE_INTERVAL, SpeculationPlanner
 from titan.engine.spec.verify import accept
 
 
@@ -188,6 +188,27 @@ def test_adaptive_planner_speculates_when_quiet_less_when_busy_and_not_when_acce
     assert planner.choose(decodes(1, 0.9), draft_seconds=0.0005) != {}
     fixed = SpeculationPlanner(SpeculativeConfig("ngram", num_speculative_tokens=3, adaptive=False), None)
     assert list(fixed.plan(decodes(2, 0.01)).values()) == [3, 3]
+
+
+def test_a_fit_that_overprices_drafts_is_probed_until_it_learns_their_cost() -> None:
+    """Only steps that verify drafts tell the cost model what a draft costs. A fit that once priced a draft
+    like a whole step is confirmed by every 1-token step after it, so without probes speculation would
+    stay off for good; every PROBE_INTERVAL steps the likeliest drafts are verified anyway, and once the fit
+    has seen what they really cost, the rule verifies drafts of its own accord."""
+    model = fitted_cost_model(1, 11)  # a draft row priced at 11 of a 12 ms step
+    planner = SpeculationPlanner(SpeculativeConfig("ngram", num_speculative_tokens=4), model)
+    plans = [planner.plan(decodes(1, 0.8)) for _ in range(PROBE_INTERVAL)]
+    assert plans[:-1] == [{}] * (PROBE_INTERVAL - 1) and list(plans[-1].values()) == [4]
+    unprompted = 0
+    for step in range(20 * PROBE_INTERVAL):
+        plan = planner.plan(decodes(1, 0.8))
+        rows = 1 + sum(plan.values())
+        unprompted += bool(plan) and (step + 1) % PROBE_INTERVAL != 0
+        # What the steps really cost: 10.5 ms plus 1.5 ms per row, with a context that grows.
+        model.observe(StepShape(rows, 1, rows * (100.0 + step)), (10.5 + 1.5 * rows) / 1000)
+    assert unprompted > 5 * PROBE_INTERVAL
+    fixed = SpeculationPlanner(SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=False), None)
+    assert all(list(fixed.plan(decodes(1, 0.8)).values()) == [4] for _ in range(PROBE_INTERVAL))
 
 
 def test_planner_waits_for_a_fitted_cost_model_and_tracks_acceptance() -> None:

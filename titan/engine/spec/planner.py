@@ -28,6 +28,12 @@ ACCEPTANCE_RATE = 0.3
 SERVER_ACCEPTANCE_RATE = 0.05
 # Per step a sequence with drafts is not verified, its estimate relaxes this share back to the prior.
 RELAXATION = 0.02
+# After this many steps in a row with drafts available and none verified, the likeliest sequence's drafts
+# are verified anyway (all of them: the wider the probe, the more it tells the fit about a draft's cost).
+# The cost model learns what a draft costs only from steps that verify one: a fit that once overpriced
+# drafts (steps slowed by a noisy neighbour) would otherwise be confirmed by every 1-token step after it,
+# and speculation would stay off for good.
+PROBE_INTERVAL = 16
 
 
 @dataclass
@@ -51,6 +57,7 @@ class SpeculationPlanner:
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self.server_acceptance = PRIOR_ACCEPTANCE
+        self.steps_without_drafts = 0  # consecutive steps that had drafts and verified none
 
     def acceptance(self, seq: Sequence) -> float:
         return self.server_acceptance if seq.spec_acceptance is None else seq.spec_acceptance
@@ -63,11 +70,25 @@ class SpeculationPlanner:
     def plan(self, decodes: list[tuple[Sequence, int]]) -> dict[int, int]:
         """Drafts to verify per seq_id, for decodes given with the most drafts each may carry. A sequence
         with drafts that are not worth verifying drifts back towards the prior acceptance."""
-        plan = self.choose(decodes)
+        plan = self._probe(decodes, self.choose(decodes))
         for seq, _ in decodes:
             if seq.draft_token_ids and seq.seq_id not in plan and seq.spec_acceptance is not None:
                 seq.spec_acceptance += RELAXATION * (self.server_acceptance - seq.spec_acceptance)
         return plan
+
+    def _probe(self, decodes: list[tuple[Sequence, int]], plan: dict[int, int]) -> dict[int, int]:
+        """`plan`, or the likeliest sequence's drafts when PROBE_INTERVAL steps verified none."""
+        offered = {seq: min(limit, len(seq.draft_token_ids), self.config.num_speculative_tokens)
+                   for seq, limit in decodes if seq.draft_token_ids and limit > 0}
+        if plan or not offered or not self.config.adaptive or not self.cost_model.ready:
+            self.steps_without_drafts = 0 if plan else self.steps_without_drafts
+            return plan
+        self.steps_without_drafts += 1
+        if self.steps_without_drafts < PROBE_INTERVAL:
+            return plan
+        self.steps_without_drafts = 0
+        likeliest = max(offered, key=self.acceptance)
+        return {likeliest.seq_id: offered[likeliest]}
 
     def choose(self, decodes: list[tuple[Sequence, int]], available: dict[int, int] | None = None,
                draft_seconds: float = 0.0) -> dict[int, int]:
