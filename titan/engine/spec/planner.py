@@ -76,12 +76,19 @@ class SpeculationPlanner:
                 seq.spec_acceptance += RELAXATION * (self.server_acceptance - seq.spec_acceptance)
         return plan
 
+    def _draft_cap(self, limit: int, num_drafts: int) -> int:
+        """Drafts a sequence may have verified: what it has, within its room and the configured k."""
+        return max(0, min(limit, num_drafts, self.config.num_speculative_tokens))
+
     def _probe(self, decodes: list[tuple[Sequence, int]], plan: dict[int, int]) -> dict[int, int]:
         """`plan`, or the likeliest sequence's drafts when PROBE_INTERVAL steps verified none."""
-        offered = {seq: min(limit, len(seq.draft_token_ids), self.config.num_speculative_tokens)
-                   for seq, limit in decodes if seq.draft_token_ids and limit > 0}
-        if plan or not offered or not self.config.adaptive or not self.cost_model.ready:
-            self.steps_without_drafts = 0 if plan else self.steps_without_drafts
+        if plan:
+            self.steps_without_drafts = 0
+            return plan
+        if not self.config.adaptive or not self.cost_model.ready:
+            return plan
+        offered = {seq: cap for seq, limit in decodes if (cap := self._draft_cap(limit, len(seq.draft_token_ids)))}
+        if not offered:
             return plan
         self.steps_without_drafts += 1
         if self.steps_without_drafts < PROBE_INTERVAL:
@@ -98,8 +105,7 @@ class SpeculationPlanner:
         def drafts_of(seq: Sequence) -> int:
             return len(seq.draft_token_ids) if available is None else available.get(seq.seq_id, 0)
 
-        candidates = [(seq, min(limit, drafts_of(seq), self.config.num_speculative_tokens))
-                      for seq, limit in decodes]
+        candidates = [(seq, self._draft_cap(limit, drafts_of(seq))) for seq, limit in decodes]
         candidates = [(seq, limit) for seq, limit in candidates if limit > 0]
         if not candidates:
             return {}
