@@ -211,6 +211,24 @@ def test_a_fit_that_overprices_drafts_is_probed_until_it_learns_their_cost() -> 
     assert all(list(fixed.plan(decodes(1, 0.8)).values()) == [4] for _ in range(PROBE_INTERVAL))
 
 
+def test_drafts_that_come_in_runs_are_verified_deep() -> None:
+    """Copied spans make acceptance bimodal: a run's first draft is a gamble, the drafts after an accepted
+    one almost never fail. Learned from verifications that accept all or nothing, the first-draft estimate
+    sits near one half and the continuation near one, so every draft is worth verifying; one per-draft rate
+    (a half, then a quarter, an eighth...) would have cut the run at two."""
+    planner = SpeculationPlanner(SpeculativeConfig("ngram", num_speculative_tokens=8), fitted_cost_model(15, 3))
+    runs = decodes(1, 0.6, drafts=8)
+    seq = runs[0][0]
+    for _ in range(20):
+        planner.record(seq, 8, 8)
+        planner.record(seq, 8, 0)
+    assert 0.3 < planner.acceptance(seq) < 0.7 and planner.continuation(seq) > 0.95
+    assert list(planner.plan(runs).values()) == [8]
+    flat = decodes(1, 0.6, drafts=8)
+    flat[0][0].spec_continuation = 0.6
+    assert list(planner.plan(flat).values()) == [2]
+
+
 def test_planner_waits_for_a_fitted_cost_model_and_tracks_acceptance() -> None:
     planner = SpeculationPlanner(SpeculativeConfig("ngram", num_speculative_tokens=4), StepCostModel())
     assert planner.plan(decodes(1, 0.9)) == {}

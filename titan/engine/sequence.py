@@ -81,11 +81,13 @@ class Sequence:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         # Structured outputs: where the output stands in its grammar (set by the engine at admission).
         self.grammar: GrammarState | None = None
-        # Speculative decoding: drafts proposed after the last step (verified by the next one) and the
-        # estimated chance that a draft is accepted (None until verified: the server's recent average is
-        # used; see titan.engine.spec.planner).
+        # Speculative decoding: drafts proposed after the last step (verified by the next one), the
+        # estimated chance that the first draft is accepted, and that a draft is accepted once the one
+        # before it was (None until verified: the server's recent averages are used; see
+        # titan.engine.spec.planner).
         self.draft_token_ids: list[int] = []
         self.spec_acceptance: float | None = None
+        self.spec_continuation: float | None = None
         # A private generator makes seeded sampling independent of the batch it runs in.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
