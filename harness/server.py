@@ -20,10 +20,22 @@ from prometheus_client.samples import Sample
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+# Ports free_port has handed out in this process. A server binds its port only when it starts, so two
+# chosen before either started could be the same one (the kernel may hand a just-released port out again):
+# a fleet of three then had two servers on one URL, and the router refused the duplicate backend.
+_HANDED_OUT: set[int] = set()
+
+
+def free_port(attempts: int = 1000) -> int:
+    """A local port nothing listens on now and that this process has not handed out before."""
+    for _ in range(attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no local port this process has not used after {attempts} tries")
 
 
 class ServerProcess:
