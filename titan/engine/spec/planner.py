@@ -41,6 +41,11 @@ RELAXATION = 0.02
 PROBE_INTERVAL = 16
 
 
+def toward(estimate: float, observed: float, rate: float) -> float:
+    """An exponential average moved `rate` of the way to `observed`."""
+    return estimate + rate * (observed - estimate)
+
+
 @dataclass
 class SpecStats:
     """Counters since start (vLLM's spec_decode_* metrics)."""
@@ -84,7 +89,7 @@ class SpeculationPlanner:
         plan = self._probe(decodes, self.choose(decodes))
         for seq, _ in decodes:
             if seq.draft_token_ids and seq.seq_id not in plan and seq.spec_acceptance is not None:
-                seq.spec_acceptance += RELAXATION * (self.server_acceptance - seq.spec_acceptance)
+                seq.spec_acceptance = toward(seq.spec_acceptance, self.server_acceptance, RELAXATION)
         return plan
 
     def _draft_cap(self, limit: int, num_drafts: int) -> int:
@@ -155,16 +160,14 @@ class SpeculationPlanner:
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
         first = float(num_accepted > 0)
-        estimate = self.acceptance(seq)
-        seq.spec_acceptance = estimate + ACCEPTANCE_RATE * (first - estimate)
-        self.server_acceptance += SERVER_ACCEPTANCE_RATE * (first - self.server_acceptance)
+        seq.spec_acceptance = toward(self.acceptance(seq), first, ACCEPTANCE_RATE)
+        self.server_acceptance = toward(self.server_acceptance, first, SERVER_ACCEPTANCE_RATE)
         # The drafts after an accepted one: num_accepted - 1 successes, then one failure unless every
         # draft was accepted.
         trials = num_accepted - 1 + (num_accepted < num_drafts) if num_accepted else 0
         if trials:
             observed = (num_accepted - 1) / trials
-            estimate = self.continuation(seq)
-            seq.spec_continuation = estimate + ACCEPTANCE_RATE * (observed - estimate)
-            self.server_continuation += SERVER_ACCEPTANCE_RATE * (observed - self.server_continuation)
+            seq.spec_continuation = toward(self.continuation(seq), observed, ACCEPTANCE_RATE)
+            self.server_continuation = toward(self.server_continuation, observed, SERVER_ACCEPTANCE_RATE)
         seq.timeline.num_draft_tokens += num_drafts
         seq.timeline.num_accepted_tokens += num_accepted
