@@ -353,11 +353,12 @@ def test_cost_model_rebuilt_from_decodes_alone_still_prices_a_prefill() -> None:
     assert model.predict(prefill) > 0.8 * truth(prefill)  # at least the old cost, not the decodes'
 
 
-def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0, demand_window_s: float = 0.0) -> Scheduler:
+def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0, demand_window_s: float = 0.0,
+                     itl_slo_ms: float = 245.0) -> Scheduler:
     """slo, ITL target 0.245 s, 0.1 s per step + 0.01 s per token: seconds-scale costs, so the few
     milliseconds a test takes between queuing and scheduling never move a TTFT across its target. Pacing
     to the prompt arrival rate is off unless a test is about it (its prompts all arrive at once)."""
-    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=245.0,
+    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=itl_slo_ms,
                              ttft_target_ms=ttft_target_ms, max_itl_excursion=max_itl_excursion,
                              prefill_demand_window_s=demand_window_s)
     return Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01))
@@ -424,27 +425,48 @@ def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
     assert [seq.itl_excursions for seq in decoders] == [0, 0]
 
 
-def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving() -> None:
-    """610 prompt tokens arrived just now, at the start of a busy spell: over a quarter of the 40 s window,
-    61 tokens/s, 76.25 with the headroom. The ITL cap (12 tokens per 0.24 s step, 50 tokens/s) is on time for
-    the one queued prompt but slower than the arrivals, so the cap widens to the smallest chunk that keeps
-    pace: b >= 76.25 (0.12 + 0.01 b), 39 tokens."""
-    scheduler = budget_scheduler(ttft_target_ms=20_000, demand_window_s=40.0)
+@pytest.mark.parametrize(("prompt", "chunk"), [(202, 5), (602, 12)])
+def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: int) -> None:
+    """ITL target 0.15 s: a capped step holds 3 prefill tokens (0.12 + 0.03 s), 20 tokens/s. 210 prompt tokens
+    arrived just now, at the start of a busy spell: over a quarter of the 40 s window, 21 tokens/s, 26.25 with
+    the headroom. The one queued prompt is on time at the cap, but the cap is slower than the arrivals, so it
+    widens to the smallest chunk that keeps pace: b >= 26.25 (0.12 + 0.01 b), 5 tokens. With 610 tokens (76.25
+    tokens/s with the headroom) pacing would need 39 tokens, a 0.51 s step; it stops at twice the decodes' own
+    step, 0.24 s and 12 tokens, and the queue waits within its 40 s target."""
+    scheduler = budget_scheduler(ttft_target_ms=40_000, demand_window_s=40.0, itl_slo_ms=150.0)
     decoders = with_two_decodes(scheduler)  # 2 x 4 prompt tokens
-    queue_now(scheduler, 1, 602)
+    queue_now(scheduler, 1, prompt)
     output = step(scheduler)
     budget = output.budget
-    assert (budget.reason, budget.prefill_tokens, budget.ttft_met_capped) == ("paced", 39, 1)
-    assert budget.demand_tokens_per_s == pytest.approx(61.0)
-    assert budget.step_target_ms == pytest.approx(510.0) and budget.itl_target_ms == pytest.approx(245.0)
-    assert output.num_batched_tokens == 2 + 39
+    assert (budget.reason, budget.prefill_tokens, budget.ttft_met_capped) == ("paced", chunk, 1)
+    assert budget.demand_tokens_per_s == pytest.approx((prompt + 8) / 10.0)
+    assert budget.step_target_ms == pytest.approx(120.0 + 10.0 * chunk)
+    assert budget.itl_target_ms == pytest.approx(150.0)
+    assert output.num_batched_tokens == 2 + chunk
     assert [seq.itl_excursions for seq in decoders] == [0, 0]
     # Without pacing the same queue stays at the ITL cap.
-    unpaced = budget_scheduler(ttft_target_ms=20_000)
+    unpaced = budget_scheduler(ttft_target_ms=40_000, itl_slo_ms=150.0)
     with_two_decodes(unpaced)
-    queue_now(unpaced, 1, 602)
+    queue_now(unpaced, 1, prompt)
     unpaced_budget = step(unpaced).budget
-    assert (unpaced_budget.reason, unpaced_budget.prefill_tokens) == ("itl_cap", 12)
+    assert (unpaced_budget.reason, unpaced_budget.prefill_tokens) == ("itl_cap", 3)
+
+
+def test_slo_policy_drains_a_small_backlog_with_a_small_excursion() -> None:
+    """Four queued 40-token prompts with a 3.1 s target. Capped (12 tokens per 0.24 s step) the last is done in
+    14 steps, 3.36 s: late, a backlog. The excursion bound (0.98 s steps) would clear it in two steps; the
+    drain takes the smallest step that gets every first token within 0.8 of its target (2.48 s) instead, steps
+    counted as a fraction: 160 / b x (0.12 + 0.01 b) <= 2.48 s, b = 22 tokens in 0.34 s steps (8 whole steps,
+    2.72 s: on time)."""
+    scheduler = budget_scheduler(ttft_target_ms=3_100)
+    decoders = with_two_decodes(scheduler)
+    queue_now(scheduler, 4, 40)
+    output = step(scheduler)
+    budget = output.budget
+    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 3, 4)
+    assert budget.prefill_tokens == 22 and budget.step_target_ms == pytest.approx(340.0)
+    assert output.num_batched_tokens == 2 + 22
+    assert [seq.itl_excursions for seq in decoders] == [1, 1]
 
 
 def test_auto_ttft_target_leaves_out_the_prefix_cache_hit() -> None:

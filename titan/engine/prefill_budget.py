@@ -14,17 +14,21 @@ carries decodes:
 * Capped, a step holds b(T) prefill tokens: the largest chunk that keeps the predicted step (decodes +
   chunk) within T, or `min_prefill_chunk` if that is more; or, when more, the smallest chunk that keeps pace
   with the prompt tokens arriving (titan.engine.prefill_demand: steady traffic then never builds a backlog,
-  the prefill is spread evenly over the steps instead of drained in long ones). The queue (running prompts
-  still prefilling, then the waiting ones, in the policy's order) is on time if every request i is predicted
-  to get its first token within τᵢ of its arrival when every step from now on computes b(T) of them: i
-  finishes in step ⌈(tokens of i and of those ahead of it) / b(T)⌉, each step taking the predicted duration
-  of decodes + b(T).
+  the prefill is spread evenly over the steps instead of drained in long ones), but never a step longer than
+  MAX_PACED_FACTOR x the decodes' own (the arrival rate is measured over seconds and a Poisson cluster of
+  arrivals reads as a flood; what pacing cannot keep up with waits in the queue). The queue (running
+  prompts still prefilling, then the waiting ones, in the policy's order) is on time if every request i is
+  predicted to get its first token within τᵢ of its arrival when every step from now on computes b(T) of
+  them: i finishes in step ⌈(tokens of i and of those ahead of it) / b(T)⌉, each step taking the predicted
+  duration of decodes + b(T).
 * On time: the step is capped at T (or paced). Otherwise the queue is a backlog — some first token is late
-  whatever this step does — and the step runs to X·T (or the whole token budget, if that is less), as fcfs
-  would up to that bound. It keeps doing so until the queue is on time at the cap with half of every target
-  to spare (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave the
-  backlog's last requests right at their TTFT target, and the queue hovering there would switch between cap
-  and drain step after step. Under a sustained overload the drain never ends, as fcfs never caps.
+  at the cap — and the step takes the smallest chunk with which every queued first token is predicted
+  within BACKLOG_SHARE of its target, up to X·T (or the whole token budget, if that is less; never slower
+  than the arrivals, so under an overload the whole budget, as fcfs). A small backlog so costs a small
+  excursion, not the bound's. The drain goes on until the queue is on time at the cap with half of every
+  target to spare (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave
+  the backlog's last requests right at their TTFT target, and the queue hovering there would switch between
+  cap and drain step after step. Under a sustained overload the drain never ends, as fcfs never caps.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ BACKLOG = "backlog"  # the excursion bound: at the cap a queued first token is l
 
 # A drain ends when every queued first token is predicted within this share of its TTFT target at the cap.
 DRAIN_EXIT_SHARE = 0.5
+# A drain step is the smallest that gets every queued first token within this share of its target: the
+# cost model's predictions run ~1.2x short at P90, so a queue planned exactly on time would be late.
+BACKLOG_SHARE = 0.8
+# Pacing widens a step to at most this many times its decodes' own predicted duration. The median token gap
+# is at least a decode-only step, so such a step is never a tail by the ITL P99 <= 2x P50 rule; prompts
+# arriving faster than these steps prefill queue up, on time within their TTFT targets or drained as a backlog.
+MAX_PACED_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -109,31 +120,65 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     def tokens_within(target: float) -> int:
         return cost_model.max_chunk(decodes, 0, token_budget, target)
 
-    def met_within(tokens: int) -> int:
-        return ttft_met(queue, tokens, cost_model.predict(decodes.plus(tokens, 0)))
+    def step_of(tokens: int) -> float:
+        return cost_model.predict(decodes.plus(tokens, 0))
 
     ms = 1000.0
     capped = tokens_within(itl_target)
     pacing = bool(queue) and max_excursion > 1.0
     paced = paced_chunk(cost_model, decodes, token_budget, DEMAND_HEADROOM * demand) if pacing else 0
     reason, cap_target = ITL_CAP, itl_target
-    if paced > capped:
-        reason, capped = PACED, paced
-        cap_target = cost_model.predict(decodes.plus(paced, 0))
+    # Pacing widens the cap only so far: past that the arrivals build a queue, which the TTFT targets absorb.
+    paced_within = min(paced, tokens_within(MAX_PACED_FACTOR * cost_model.predict(decodes)))
+    if paced_within > capped:
+        reason, capped = PACED, paced_within
+        cap_target = step_of(paced_within)
     first_target = queue[0].ttft_target * ms if queue else None
     floor = max(capped, min(min_chunk, token_budget))
-    capped_step = cost_model.predict(decodes.plus(floor, 0))
-    met_capped = ttft_met(queue, floor, capped_step)
+    met_capped = ttft_met(queue, floor, step_of(floor))
     # A drain ends once the queue is on time at the cap with half its targets to spare, not just on time:
     # otherwise a backlog hovers at its targets, switching between cap and drain step after step.
     on_time = met_capped == len(queue) and (
-        not draining or ttft_met(queue, floor, capped_step, share=DRAIN_EXIT_SHARE) == len(queue))
+        not draining or ttft_met(queue, floor, step_of(floor), share=DRAIN_EXIT_SHARE) == len(queue))
     if not queue or token_budget <= capped or max_excursion <= 1.0 or on_time:
         return BudgetDecision(reason, cap_target * ms, itl_target * ms, first_target, capped, len(queue),
                               met_capped, met_capped, 0, demand)
-    # A drain is never slower than pacing: a backlog that arrives faster than X·T steps clear it is drained
-    # at the arrival rate's chunk (the whole budget under an overload, as fcfs).
-    widest = min(max(max_excursion * itl_target, cap_target), cost_model.predict(decodes.plus(token_budget, 0)))
-    tokens = tokens_within(widest)
-    return BudgetDecision(BACKLOG, widest * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
-                          met_within(tokens), fresh_decodes, demand)
+    # A drain is never slower than the arrivals (the whole budget under an overload, as fcfs), and within
+    # that bound takes the smallest step that gets the queue on time, so a small backlog costs a small
+    # excursion rather than the bound's.
+    widest = min(max(max_excursion * itl_target, cap_target, step_of(paced)), step_of(token_budget))
+    widest_tokens = tokens_within(widest)
+    tokens = smallest_on_time(cost_model, decodes, queue, floor, widest_tokens)
+    bound = widest if tokens is None else max(step_of(tokens), cap_target)
+    tokens = widest_tokens if tokens is None else tokens
+    itl_cost = fresh_decodes if bound > itl_target else 0
+    return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
+                          ttft_met(queue, tokens, step_of(tokens)), itl_cost, demand)
+
+
+def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[QueuedPrefill], low: int,
+                     high: int) -> int | None:
+    """The fewest prefill tokens per step, in [low, high], with which every queued first token is predicted
+    within BACKLOG_SHARE of its target; None if even `high` is not enough. Steps are counted as a fraction
+    (tokens ahead / tokens per step), not rounded up as `ttft_met` does: rounded, a bigger chunk can need as
+    many steps as a smaller one and be later, and a search over that would miss the smallest."""
+
+    def on_time(tokens: int) -> bool:
+        per_token = cost_model.predict(decodes.plus(tokens, 0)) / tokens
+        ahead = 0
+        for item in queue:
+            ahead += item.remaining_tokens
+            if item.waited_seconds + ahead * per_token > BACKLOG_SHARE * item.ttft_target:
+                return False
+        return True
+
+    low = max(low, 1)
+    if low > high or not on_time(high):
+        return None
+    while low < high:  # a step's time per token falls as its fixed cost is shared by more tokens
+        middle = (low + high) // 2
+        if on_time(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
