@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,6 +140,18 @@ class StepCostModel:
             else:
                 high = middle - 1
         return low
+
+
+def smallest_passing(low: int, high: int, passes: Callable[[int], bool]) -> int:
+    """The smallest integer in [low, high] that `passes`, for a test that once passed stays passed as the
+    integer grows, and that `high` passes."""
+    while low < high:
+        middle = (low + high) // 2
+        if passes(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def step_target_seconds(itl_slo_ms: float | str | None, cost_model: StepCostModel,

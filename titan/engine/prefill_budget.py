@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
 from titan.engine.prefill_demand import DEMAND_HEADROOM, paced_chunk
 
 # Why a step got the prefill budget it got (shown in /debug/steps).
@@ -135,11 +135,12 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
         cap_target = step_of(paced_within)
     first_target = queue[0].ttft_target * ms if queue else None
     floor = max(capped, min(min_chunk, token_budget))
-    met_capped = ttft_met(queue, floor, step_of(floor))
+    floor_step = step_of(floor)
+    met_capped = ttft_met(queue, floor, floor_step)
     # A drain ends once the queue is on time at the cap with half its targets to spare, not just on time:
     # otherwise a backlog hovers at its targets, switching between cap and drain step after step.
     on_time = met_capped == len(queue) and (
-        not draining or ttft_met(queue, floor, step_of(floor), share=DRAIN_EXIT_SHARE) == len(queue))
+        not draining or ttft_met(queue, floor, floor_step, share=DRAIN_EXIT_SHARE) == len(queue))
     if not queue or token_budget <= capped or max_excursion <= 1.0 or on_time:
         return BudgetDecision(reason, cap_target * ms, itl_target * ms, first_target, capped, len(queue),
                               met_capped, met_capped, 0, demand)
@@ -175,10 +176,5 @@ def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[
     low = max(low, 1)
     if low > high or not on_time(high):
         return None
-    while low < high:  # a step's time per token falls as its fixed cost is shared by more tokens
-        middle = (low + high) // 2
-        if on_time(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return low
+    # a step's time per token falls as its fixed cost is shared by more tokens
+    return smallest_passing(low, high, on_time)

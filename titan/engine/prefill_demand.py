@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
 
 # Prefill at least this much faster than prompts arrive: arrivals are bursty (Poisson), and a cap that only
 # matched the mean would let the queue's random walk reach a backlog anyway.
@@ -85,11 +85,5 @@ def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int
 
     if not keeps_pace(token_budget):
         return token_budget
-    low, high = 1, token_budget  # chunk / step time grows with the chunk: the step's fixed cost is shared
-    while low < high:
-        middle = (low + high) // 2
-        if keeps_pace(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return low
+    # chunk / step time grows with the chunk: the step's fixed cost is shared
+    return smallest_passing(1, token_budget, keeps_pace)
