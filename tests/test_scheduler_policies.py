@@ -224,7 +224,7 @@ def test_ahead_of_is_the_queued_work_each_policy_runs_first() -> None:
         scheduler.add(prefilling)
         step(scheduler)
         assert prefilling.status is SequenceStatus.RUNNING and 0 < prefilling.num_computed_tokens < 150
-        long_batch, long_interactive, short = (sequence(150, priority=1, arrival=1.0), sequence(150, arrival=2.0),
+        long_batch, long_interactive, short = (sequence(150, priority=1, arrival=1.0), sequence(150, arrival=3.0),
                                                sequence(20, arrival=3.0))
         for seq in (long_batch, long_interactive, short):
             scheduler.waiting.append(seq)  # queued, as if every step's budget had gone elsewhere
@@ -235,8 +235,27 @@ def test_ahead_of_is_the_queued_work_each_policy_runs_first() -> None:
             assert ahead == [prefilling, long_batch, long_interactive, short]
         elif policy == "priority":
             assert ahead == [prefilling, long_interactive, short]
-        else:  # slo: within a priority level, the fewest tokens left first (86 left > 30)
-            assert ahead == [short]
+        else:  # slo: within a priority level, the earliest arrival + 10x the predicted prefill of what is left
+            # (newcomer 4.0 + 10 x 40 ms = 4.4 s; prefilling 0.96, short 3.3, long_interactive 4.6)
+            assert ahead == [prefilling, short]
+
+
+def test_slo_policy_keeps_arrival_order_among_like_prompts() -> None:
+    # 10 ms per step + 1 ms per token. The older prompt is 20 tokens longer: fewest tokens first would let the
+    # newer one pass, but its slack deadline (1.0 + 10 x 150 ms) is later than the older one's (10 x 170 ms).
+    scheduler = make(policy="slo", budget=160, num_blocks=256, itl_slo_ms=1000.0,
+                     cost_model=fixed_cost_model(0.010, 0.001))
+    older, newer = sequence(160, arrival=0.0), sequence(140, arrival=1.0)
+    for seq in (newer, older):
+        scheduler.add(seq)
+    assert [s.seq_id for s in step(scheduler).scheduled] == [older.seq_id]
+    # A prompt with much less to do still passes: 20 tokens arriving 1 s later are due at 1.3 s, before 1.7 s.
+    scheduler = make(policy="slo", budget=160, num_blocks=256, itl_slo_ms=1000.0,
+                     cost_model=fixed_cost_model(0.010, 0.001))
+    older, short = sequence(160, arrival=0.0), sequence(20, arrival=1.0)
+    for seq in (older, short):
+        scheduler.add(seq)
+    assert [s.seq_id for s in step(scheduler).scheduled][0] == short.seq_id
 
 
 def test_slo_policy_does_not_chunk_a_step_without_decodes() -> None:

@@ -254,11 +254,19 @@ class Scheduler:
             cached = len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
         return seq.num_tokens - cached, seq.num_tokens - cached
 
-    def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
-        """slo's prefill order: priority (aged), then the fewest tokens left to compute, so a short prompt's
-        first token does not queue behind a long prompt's chunks; aging still lifts whoever waits long."""
-        return (self._aged_priority(seq, now), seq.num_tokens - seq.num_computed_tokens, seq.arrival_time,
-                seq.seq_id)
+    def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, float, int, float, int]:
+        """slo's prefill order: priority (aged), then the earliest slack deadline, arrival + AUTO_TTFT_FACTOR x
+        the predicted prefill alone of what is left. A short prompt's first token does not queue behind a long
+        prompt's chunks (its slack is short), yet among like prompts it is close to arrival order: fewest
+        tokens first let a stream of slightly shorter newcomers pass the oldest prompts under a sustained
+        overload (burst TTFT P99 1.19x fcfs's). Without a fitted model, the fewest tokens left first."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        model = self.cost_model
+        deadline = 0.0
+        if model is not None and model.ready:
+            alone = model.predict(StepShape().plus(left, seq.num_computed_tokens))
+            deadline = seq.arrival_time + AUTO_TTFT_FACTOR * alone
+        return (self._aged_priority(seq, now), deadline, left, seq.arrival_time, seq.seq_id)
 
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
         """Tokens to compute for `seq` this step: its remainder, within the budget and the step's target."""
@@ -281,11 +289,11 @@ class Scheduler:
         candidates = [seq for seq in self.waiting if seq.seq_id not in skipped]
         return min(candidates, key=lambda seq: self._waiting_key(seq, now), default=None)
 
-    def _waiting_key(self, seq: Sequence, now: float) -> tuple[float, int, float, int]:
-        """Priority policies' admission order: aged priority then arrival; slo puts fewer tokens left first."""
+    def _waiting_key(self, seq: Sequence, now: float) -> tuple[float, float, int, float, int]:
+        """Priority policies' admission order: aged priority then arrival; slo's is its prefill order."""
         if self.config.policy == "slo":
             return self._prefill_key(seq, now)
-        return (self._aged_priority(seq, now), 0, seq.arrival_time, seq.seq_id)
+        return (self._aged_priority(seq, now), 0.0, 0, seq.arrival_time, seq.seq_id)
 
     def ahead_of(self, seq: Sequence) -> list[Sequence]:
         """The queued prefill work this policy would run before `seq` if it arrived now (admission prices it):
