@@ -148,7 +148,8 @@ class SchedulerConfig:
     one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
     so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
-    prefill with the fewest tokens left goes first. Under a backlog (at the cap some queued request would
+    prefill with the earliest slack deadline (arrival + AUTO_TTFT_FACTOR x the predicted prefill alone of
+    what it has left) goes first. Under a backlog (at the cap some queued request would
     miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target until the queue is on
     time again with half its targets to spare (titan.engine.prefill_budget states the rule); the cap widens
     to keep pace with the prompt tokens arriving over `prefill_demand_window_s` (titan.engine.prefill_demand).
