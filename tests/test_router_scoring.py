@@ -68,6 +68,18 @@ def test_distinct_prefixes_spread_over_the_replicas() -> None:
     assert sorted(chosen) == ["b0", "b1", "b2"]
 
 
+def test_cold_prompts_spread_over_idle_replicas_not_yet_fitted() -> None:
+    # One replica has served and has fitted step costs; the two idle ones have none yet. Each cold prompt
+    # arrives after the last one finished (nothing outstanding anywhere): priced like their fitted peer, the
+    # idle replicas get their turn instead of every cold prompt going to the one that happened to serve.
+    policy = ScorePolicy(ScoreWeights(), blocks_per_backend=1000, chunk_chars=CHUNK)
+    pool = [Backend(f"http://b{i}", f"b{i}", i, ready=True) for i in range(3)]
+    pool[0].seconds_per_token, pool[0].step_overhead = 0.0018, 0.01
+    chosen = {policy.choose_for(pool, info(prefix(number) + "Question?")).name for number in range(3)}
+    assert chosen == {"b0", "b1", "b2"}
+    assert len(set(policy.last.values())) == 1  # the last choice was a tie between equals
+
+
 def test_a_hot_replica_sheds_its_prefix_to_an_idle_one() -> None:
     policy = ScorePolicy(ScoreWeights(), blocks_per_backend=10_000, chunk_chars=CHUNK)
     pool = backends(2)

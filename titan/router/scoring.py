@@ -24,6 +24,7 @@ busy replica's virtual queue sends the next newcomer elsewhere.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -111,16 +112,20 @@ class ScorePolicy:
     def choose(self, candidates: Sequence[Backend], key: bytes | None) -> Backend:
         return self.choose_for(candidates, RoutingInfo(key=key))
 
-    def predicted_ttft(self, backend: Backend, info: RoutingInfo, now: float) -> tuple[float, float]:
-        """(predicted seconds to first token, expected prefix hit 0..1) for this prompt on `backend`."""
+    def predicted_ttft(self, backend: Backend, info: RoutingInfo, now: float,
+                       unfitted: tuple[float, float] = (DEFAULT_SECONDS_PER_TOKEN, 0.0)) -> tuple[float, float]:
+        """(predicted seconds to first token, expected prefix hit 0..1) for this prompt on `backend`;
+        `unfitted`: (seconds per token, step overhead) to price it with until its step metrics are fitted."""
         table = self.tables.get(backend.name)
         hits = table.leading_hits(info.blocks) if table is not None and info.blocks else 0
         hit = hits / len(info.blocks) if info.blocks else 0.0
         uncached_chars = max(info.prompt_chars - hits * self.chunk_chars, 0)
-        cost = backend.seconds_per_token or DEFAULT_SECONDS_PER_TOKEN
+        fitted = backend.seconds_per_token is not None
+        cost = backend.seconds_per_token if fitted else unfitted[0]
+        overhead = (backend.step_overhead or 0.0) if fitted else unfitted[1]
         queue = self.queues.get(backend.name)
         waiting = queue.wait(now) if queue is not None and backend.outstanding > 0 else 0.0
-        own = (backend.step_overhead or 0.0) + cost * (uncached_chars / CHARS_PER_TOKEN + 1)
+        own = overhead + cost * (uncached_chars / CHARS_PER_TOKEN + 1)
         # Step costs fitted on a quiet backend understate a busy host's or a cold replica's: scale this
         # prompt's own part by how late this backend's recent first tokens came against their predictions.
         return waiting + backend.ttft_calibration * own, hit
@@ -128,7 +133,8 @@ class ScorePolicy:
     def choose_for(self, candidates: Sequence[Backend], info: RoutingInfo) -> Backend:
         now = time.monotonic()
         weights = self.weights
-        predictions = {backend.name: self.predicted_ttft(backend, info, now) for backend in candidates}
+        unfitted = peer_costs(candidates)
+        predictions = {backend.name: self.predicted_ttft(backend, info, now, unfitted) for backend in candidates}
         best_ttft = min(ttft for ttft, _ in predictions.values())
         loads = {backend.name: backend.outstanding + (backend.waiting or 0.0) for backend in candidates}
         top_load = max(loads.values())
@@ -159,6 +165,18 @@ class ScorePolicy:
             queue.busy_until = now  # nothing open there: whatever was queued has run
         queue.add(now, predicted - queue.wait(now))
         self.last_prediction = predicted  # the proxy compares it with the first token's arrival
+
+
+def peer_costs(candidates: Sequence[Backend]) -> tuple[float, float]:
+    """(seconds per token, step overhead) to price a backend whose step metrics are not fitted yet: its
+    fitted peers' medians (replicas of one pool serve one model). A constant instead made an idle replica,
+    never fitted, look slower than the one that had served, so every cold prompt went to that one (26 of 36
+    requests on one of three replicas in benchmarks/router_tails.py) and it stayed the only one fitted."""
+    fitted = [backend for backend in candidates if backend.seconds_per_token is not None]
+    if not fitted:
+        return DEFAULT_SECONDS_PER_TOKEN, 0.0
+    return (statistics.median(backend.seconds_per_token or 0.0 for backend in fitted),
+            statistics.median(backend.step_overhead or 0.0 for backend in fitted))
 
 
 def score_policy(config: RouterConfig) -> ScorePolicy:
