@@ -2,16 +2,18 @@
 
 Three servers on the default model run at once (idle ones cost nothing); every workload goes to each
 in turn, so all configurations see the same machine state:
-- copy-heavy: rewrite / continue a given passage or code (the output repeats spans of the input),
-  greedy; single stream and 16 concurrent;
+- copy-heavy: repeat / proofread a given passage (the output repeats spans of the input), greedy;
+  single stream and 16 concurrent; and "rewrite" (the earlier set: short passages and code, some with a
+  title to add), where the default model writes much new text, single stream;
 - open-ended chat (low acceptance), sampled with a seed per request; single stream and 16 concurrent;
 - the burst: 32 x (~150 in, 64 out) sent at once.
 Per run: output tok/s, TPOT P50/P99 (per-request time per output token), chunk ITL P50/P99 (gaps
 between streamed chunks; a chunk carries several tokens when drafts were accepted), acceptance (from the
-server's spec_decode metrics), and whether every output equals the speculation-off output (greedy and
-seeded requests must). No smaller model with SmolLM2's tokenizer ships offline, so the draft-model row is
-the default model drafting for itself: exact, never faster, and a test that the adaptive rule counts a
-draft model's own cost and turns speculation off instead of losing.
+server's spec_decode metrics), the share of output words that repeat the prompt ("copied"), and whether
+every output equals the speculation-off output (greedy and seeded requests must). No smaller model with
+SmolLM2's tokenizer ships offline, so the draft-model row is the default model drafting for itself: exact,
+never faster, and a test that the adaptive rule counts a draft model's own cost and turns speculation off
+instead of losing.
 
     .venv/bin/python benchmarks/speculative.py [--threads N] [--quick] [--rounds R] [--workloads A,B]
                                               [--configs C,D] [--output FILE.json]
@@ -43,11 +45,37 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # The adaptive rule chooses how many of up to 8 drafts each step verifies.
     "ngram adaptive k<=8": {"method": "ngram", "num_speculative_tokens": 8},
     "ngram fixed k=4": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram fixed k=8": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": False},
     # No smaller model with SmolLM2's tokenizer ships offline: the default model drafting for itself
     # shows the adaptive rule weighing a draft model's cost (it should turn itself off, not lose).
     "self-draft adaptive": {"method": "draft_model", "model": "default", "num_speculative_tokens": 4},
 }
+# Copy-heavy: passages the default model does repeat when asked to (0.97-1.0 of its output words inside
+# 3-grams of the prompt; the benchmark prints that share). SmolLM2-135M rewrites some passages instead
+# (one on photosynthesis: 0.25), rewrites code instead of copying it and writes new text after a title:
+# such prompts are the separate "rewrite" workload, the copy-heavy set of earlier versions.
 PASSAGES = [
+    "The lighthouse stood at the edge of the cliff for two hundred years. Every night its keeper climbed the "
+    "spiral stairs, trimmed the wick and polished the great lens until the beam reached far out to sea. Ships "
+    "passing in the dark counted its flashes to know where they were. In winter the storms threw spray over the "
+    "lantern room, and the keeper wrote each one into a logbook that is still kept in the village library.",
+    "The night train leaves the capital at ten and reaches the coast by dawn. Passengers in the sleeping cars "
+    "are woken with coffee and a warm roll an hour before arrival. From the window they can watch the fields "
+    "give way to pine forests and then to dunes. At the last station a bus waits to take travellers to the "
+    "harbour, where the ferries to the islands leave every two hours.",
+    "Dear Maria, thank you for your letter and for the photographs of the garden. The roses look wonderful this "
+    "year, and I can hardly believe how tall the apple tree has grown. We are planning to visit in the second "
+    "week of June, if that suits you. Please let me know whether we should bring anything for the house. With "
+    "love, Anna.",
+    "To fix a flat bicycle tyre, first remove the wheel and let out any remaining air. Use two tyre levers to "
+    "lift one side of the tyre off the rim, then pull out the inner tube. Find the hole by pumping a little air "
+    "into the tube and listening for the hiss. Patch it, put the tube back, seat the tyre and pump it up.",
+]
+COPY_TASKS = ["Repeat the following text exactly, word for word:\n\n{}",
+              "Correct any spelling mistakes in the following text and write it out in full:\n\n{}"]
+# Rewrite: the earlier copy-heavy set (short passages and code, a title added), where about half of the
+# default model's output is new text; prompt lookup has nothing to draft there.
+REWRITE_PASSAGES = [
     "The lighthouse stood at the edge of the cliff for two hundred years. Every night its keeper climbed "
     "the spiral stairs, trimmed the wick and polished the great lens until the beam reached far out to sea.",
     "Photosynthesis converts light energy into chemical energy. In the chloroplasts, water is split, oxygen "
@@ -57,8 +85,8 @@ PASSAGES = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
     "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
 ]
-COPY_TASKS = ["Repeat the following text exactly, word for word:\n\n{}",
-              "Rewrite the following, keeping every sentence, and add a title at the top:\n\n{}"]
+REWRITE_TASKS = ["Repeat the following text exactly, word for word:\n\n{}",
+                 "Rewrite the following, keeping every sentence, and add a title at the top:\n\n{}"]
 OPEN_PROMPTS = ["Write a short story about a dragon who learns to bake bread.",
                 "What are three good habits for staying healthy? Explain each.",
                 "Describe a city on Mars one hundred years from now.",
@@ -79,10 +107,31 @@ def session_messages(session: str, content: str) -> list[dict[str, str]]:
             {"role": "user", "content": content}]
 
 
-def copy_bodies(count: int, session: str = "0") -> list[dict[str, Any]]:
-    tasks = [task.format(passage) for passage in PASSAGES for task in COPY_TASKS]
-    return [{"messages": session_messages(session, tasks[i % len(tasks)]), "max_tokens": 128, "temperature": 0.0}
-            for i in range(count)]
+def copy_bodies(count: int, session: str = "0", passages: list[str] = PASSAGES,
+                tasks: list[str] = COPY_TASKS) -> list[dict[str, Any]]:
+    prompts = [task.format(passage) for passage in passages for task in tasks]
+    return [{"messages": session_messages(session, prompts[i % len(prompts)]), "max_tokens": 128,
+             "temperature": 0.0} for i in range(count)]
+
+
+def rewrite_bodies(count: int, session: str = "0") -> list[dict[str, Any]]:
+    return copy_bodies(count, session, REWRITE_PASSAGES, REWRITE_TASKS)
+
+
+def copied_share(bodies: list[dict[str, Any]], texts: dict[int, str]) -> float | None:
+    """The share of output words inside a run of 3 or more words that also occurs in the request's prompt:
+    how much of the output prompt lookup could have drafted."""
+    covered = total = 0
+    for index, text in texts.items():
+        prompt = bodies[index]["messages"][-1]["content"].split()
+        grams = {tuple(prompt[i:i + 3]) for i in range(len(prompt) - 2)}
+        words = text.split()
+        inside = [False] * len(words)
+        for i in range(len(words) - 2):
+            if tuple(words[i:i + 3]) in grams:
+                inside[i:i + 3] = [True] * 3
+        covered, total = covered + sum(inside), total + len(words)
+    return round(covered / total, 3) if total else None
 
 
 def open_bodies(count: int, session: str = "0") -> list[dict[str, Any]]:
@@ -196,6 +245,7 @@ def main() -> None:
     workloads = {
         "copy-heavy x1": (lambda session: copy_bodies(8 // scale, session), 1),
         "copy-heavy x16": (lambda session: copy_bodies(32 // scale, session), 16),
+        "rewrite x1": (lambda session: rewrite_bodies(8 // scale, session), 1),
         "open-ended x1": (lambda session: open_bodies(8 // scale, session), 1),
         "open-ended x16": (lambda session: open_bodies(32 // scale, session), 16),
         "burst 32": (lambda session: burst_bodies(32, session), 32),
@@ -224,24 +274,26 @@ def main() -> None:
                     measured = {name: measure(servers[name], bodies, concurrency) for name in order}
                 for name in order:
                     result = measured[name]
+                    result["copied"] = copied_share(bodies, result["texts"])
                     rows.setdefault(workload, {}).setdefault(name, []).append(result)
                     print(f"{workload:15s} {name:20s} {result['output_tok_s']:7.1f} tok/s  "
                           f"TPOT {result['tpot_ms_p50']:6.1f}/{result['tpot_ms_p99']:6.1f} ms  "
                           f"ITL {result['itl_ms_p50']:6.1f}/{result['itl_ms_p99']:6.1f} ms  "
-                          f"acceptance {result['acceptance']}  failed {result['failed']}", flush=True)
+                          f"acceptance {result['acceptance']}  copied {result['copied']}  failed {result['failed']}",
+                          flush=True)
     finally:
         for server in servers.values():
             server.stop()
     summary = {workload: summarize(by_config) for workload, by_config in rows.items()}
     print(f"\n{cpu_description()}  ({args.rounds} round{'s' if args.rounds > 1 else ''}; ratio: median of "
           f"per-round ratios to off [range])\n{'workload':15s} {'config':20s} {'tok/s':>7s} {'x off':>6s} "
-          f"{'range':>11s} {'accept':>6s} same")
+          f"{'range':>11s} {'accept':>6s} {'copied':>6s} same")
     for workload, by_config in summary.items():
         for name, result in by_config.items():
             acceptance = "-" if result["acceptance"] is None else result["acceptance"]
             low, high = result["speedup_range"]
             print(f"{workload:15s} {name:20s} {result['output_tok_s']:7.1f} {result['speedup']:6.2f} "
-                  f"{low:5.2f}-{high:<5.2f} {acceptance:>6} {result['outputs_identical']}")
+                  f"{low:5.2f}-{high:<5.2f} {acceptance:>6} {result['copied']!s:>6} {result['outputs_identical']}")
     write_result(args.output, {"cpu": cpu_description(), "threads": args.threads, "rounds": args.rounds,
                                "results": summary})
 
@@ -292,6 +344,7 @@ def summarize(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
             "speedup": round(statistics.median(ratios), 3),
             "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
             "acceptance": round(accepted / drafts, 3) if drafts else None,
+            "copied": statistics.median(run["copied"] for run in runs) if runs[0]["copied"] is not None else None,
             "outputs_identical": all(run["texts"] == off["texts"] for run, off in zip(runs, base, strict=True)),
             "runs": [{key: value for key, value in run.items() if key != "texts"} for run in runs],
         }
