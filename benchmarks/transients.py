@@ -1,7 +1,7 @@
 """Tail latency under transients: the `fcfs` baseline against `slo` scheduling with admission control.
 
 One build, two servers started one after the other (never together: they would share the cores):
-`fcfs` (default flags, no admission limits, like vLLM) and `slo` (`--scheduling-policy slo --itl-slo-ms X`,
+`fcfs` (`--scheduling-policy fcfs`, no admission limits, like vLLM) and `slo` (`--scheduling-policy slo --itl-slo-ms X`,
 `--ttft-slo-ms Y` and queue limits). Against each, `titan bench` runs two scenarios:
 
 * storm: short interactive requests well under capacity, plus an ~800-token prompt every few seconds
@@ -112,9 +112,9 @@ class TransientsConfig:
         return 1.0 / (self.storm_rate * self.long_every)
 
     def server_flags(self, policy: str) -> list[str]:
-        flags = ["--model", self.model, "--device", "cpu"]
+        flags = ["--model", self.model, "--device", "cpu", "--scheduling-policy", policy]
         if policy == "slo":
-            flags += ["--scheduling-policy", "slo", "--itl-slo-ms", f"{self.itl_slo_ms:g}",
+            flags += ["--itl-slo-ms", f"{self.itl_slo_ms:g}",
                       "--ttft-slo-ms", f"{self.ttft_slo_ms:g}", "--admit-long-prompts",
                       "--max-queued-requests", str(self.max_queued_requests),
                       "--max-queued-tokens", str(self.max_queued_tokens)]

@@ -47,8 +47,9 @@ def test_flags_and_keywords_build_the_same_nested_config() -> None:
 def test_slo_policy_alone_gets_the_documented_step_target() -> None:
     assert SchedulerConfig(policy="slo").itl_slo_ms == DEFAULT_SLO_ITL_MS
     assert SchedulerConfig(policy="slo", itl_slo_ms=80.0).itl_slo_ms == 80.0
-    # No flags at all: fcfs, which has no step target.
-    assert (SchedulerConfig().policy, SchedulerConfig().itl_slo_ms) == ("fcfs", None)
+    # No flags at all: slo with the automatic step target; fcfs has none.
+    assert (SchedulerConfig().policy, SchedulerConfig().itl_slo_ms) == ("slo", DEFAULT_SLO_ITL_MS)
+    assert SchedulerConfig(policy="fcfs").itl_slo_ms is None
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -137,8 +137,10 @@ def long_prompt(round_number: int) -> str:
 def test_a_transient_is_marked_and_attributed_in_chromium() -> None:
     """An operator watches a transient happen: steady decodes, then a long prompt whose 512-token prefill
     chunks stall every decode; the page marks the ITL spike and names its cause."""
+    # fcfs: the default slo policy caps those chunks to keep steps within the ITL target, which is the
+    # transient this test needs the page to see.
     args = ["--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--kv-cache-memory", "0.25",
-            "--dashboard-window", "3600"]
+            "--dashboard-window", "3600", "--scheduling-policy", "fcfs"]
     with ServerProcess(args, env={"OMP_NUM_THREADS": "1"}) as server, \
             dashboard_page(server.url + "/dashboard?interval=200") as (page, problems):
         stop = threading.Event()

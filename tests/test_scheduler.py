@@ -45,7 +45,8 @@ class FakeRunner:
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
                    max_model_len: int = 256, prefix_caching: bool = True) -> tuple[Scheduler, FakeRunner]:
     manager = BlockManager(num_blocks, block_size, prefix_caching)
-    scheduler = Scheduler(SchedulerConfig(budget, max_seqs), manager, max_model_len, frozenset({EOS}))
+    # fcfs: these tests pin the step mechanics (budget-sized chunks, arrival order), not a policy's choices.
+    scheduler = Scheduler(SchedulerConfig(budget, max_seqs, policy="fcfs"), manager, max_model_len, frozenset({EOS}))
     return scheduler, FakeRunner(num_blocks, block_size)
 
 
