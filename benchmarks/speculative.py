@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import time
 from typing import Any
@@ -161,11 +162,21 @@ async def stream_one(client: Any, url: str, index: int, body: dict[str, Any], st
     return result
 
 
+def unseen(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` behind a system prompt no server has seen. Asked again as it was, a request after a
+    concurrent load reads the prompt's KV from the prefix cache, computed in whatever chunks and batches
+    that load's timing made; those differ in the last bits, and a near-tie can then flip a token (two
+    speculation-off servers differ so). Computed from scratch, alone, the text is the request's own."""
+    system, *rest = body["messages"]
+    return {**body, "messages": [{**system, "content": system["content"] + " Exactness check."}, *rest]}
+
+
 async def reply_texts(client: Any, url: str, bodies: list[dict[str, Any]]) -> dict[int, str]:
-    """The text of each (deterministic) request, for the exactness check: asked again without streaming."""
+    """The text of each (deterministic) request, for the exactness check: asked again alone, without
+    streaming, on a prompt the load did not leave in the prefix cache."""
     texts = {}
     for index, body in enumerate(bodies[:8]):
-        reply = await client.post(url, json={**body, "model": MODEL})
+        reply = await client.post(url, json={**unseen(body), "model": MODEL})
         texts[index] = reply.json()["choices"][0]["message"]["content"]
     return texts
 
@@ -231,6 +242,8 @@ def spec_counters(server: ServerProcess) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="--threads of every server (default: all cores)")
+    parser.add_argument("--server-args", default="", help="extra flags for every server, e.g. "
+                                                          "'--scheduling-policy fcfs'")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every workload, servers in rotating order")
     parser.add_argument("--workloads", default=None, help="comma-separated subset of the workload names")
@@ -252,7 +265,7 @@ def main() -> None:
     }
     if args.workloads:
         workloads = {name: workloads[name] for name in subset(parser, "workloads", args.workloads, workloads)}
-    common_args = [] if args.threads is None else ["--threads", str(args.threads)]
+    common_args = ([] if args.threads is None else ["--threads", str(args.threads)]) + shlex.split(args.server_args)
     servers = {}
     try:
         for name, spec in configs.items():
