@@ -2,7 +2,7 @@
 
 One build, two servers loaded at once but driven one at a time (interleaved per cell, the order alternating,
 so drift in the machine's other load hits both alike). The candidate is the server with no scheduling flags
-once slo is the default, and `--scheduling-policy slo` (auto ITL and TTFT targets) until then. Both run with
+(slo, auto ITL and TTFT targets; `--scheduling-policy slo` is added should the default ever be another). Both run with
 OMP_NUM_THREADS=1 and --threads 1 (two OpenMP threads stall at barriers on a shared 2-core machine).
 
 Calibration, against fcfs: a lone short request gives the solo TTFT and token gap (the goodput SLO is

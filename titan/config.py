@@ -145,9 +145,9 @@ class SchedulerConfig:
 
     slo is the default: it met the throughput rule of `benchmarks/default_policy.py` (burst output tok/s
     >= 0.9x fcfs's, TTFT P99 <= 1.1x) in two full runs on two machines. fcfs: arrival order (vLLM's
-    default). priority: lower `priority` runs first; a waiting request may
-    preempt lower-priority running ones, also when `max_num_seqs` is the limit; waiting requests gain
-    one priority level per `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
+    default). priority: lower `priority` runs first; a waiting request may preempt lower-priority running
+    ones, also when `max_num_seqs` is the limit; waiting requests gain one priority level per
+    `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
     so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
     prefill with the earliest slack deadline (arrival + AUTO_TTFT_FACTOR x the predicted prefill alone of
