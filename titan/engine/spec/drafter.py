@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from titan.config import SpeculativeConfig
 from titan.engine.sequence import Sequence
-from titan.engine.spec.ngram import NgramProposer
+from titan.engine.spec.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from titan.engine.llm_engine import LLMEngine
@@ -24,14 +24,27 @@ def wants_drafts(seq: Sequence) -> bool:
 
 
 class NgramDrafter:
+    """Prompt lookup, with each running sequence's n-gram index kept from step to step (a sequence gains
+    a token or a few per step, so its index is extended, not rebuilt)."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        self.lookup_max, self.lookup_min = config.prompt_lookup_max, config.prompt_lookup_min
         self.num_tokens = config.num_speculative_tokens
+        self.indexes: dict[int, NgramIndex] = {}  # seq_id → index; only running sequences are kept
 
     def propose(self, running: list[Sequence]) -> None:
+        indexes: dict[int, NgramIndex] = {}
         for seq in running:
-            seq.draft_token_ids = (self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, self.num_tokens)
-                                   if wants_drafts(seq) else [])
+            index = self.indexes.get(seq.seq_id)
+            if index is None or len(index.tokens) > seq.num_tokens:  # new, or its tokens were cut
+                index = NgramIndex(self.lookup_max, self.lookup_min)
+            indexes[seq.seq_id] = index
+            if not wants_drafts(seq):
+                seq.draft_token_ids = []
+                continue
+            index.extend(seq.token_ids_slice(len(index.tokens), seq.num_tokens))
+            seq.draft_token_ids = index.propose(self.num_tokens)
+        self.indexes = indexes  # a preempted or finished sequence's index goes (rebuilt if it returns)
 
 
 def make_drafter(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
