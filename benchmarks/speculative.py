@@ -7,7 +7,9 @@ in turn, so all configurations see the same machine state:
   title to add), where the default model writes much new text, single stream;
 - open-ended chat (low acceptance), sampled with a seed per request; single stream and 16 concurrent;
 - the burst: 32 x (~150 in, 64 out) sent at once.
-Per run: output tok/s, TPOT P50/P99 (per-request time per output token), chunk ITL P50/P99 (gaps
+`--configs "off control,..."` adds a second speculation-off server, whose ratio to off shows how far
+two identical configurations read apart in the same sitting. Per run:
+output tok/s, TPOT P50/P99 (per-request time per output token), chunk ITL P50/P99 (gaps
 between streamed chunks; a chunk carries several tokens when drafts were accepted), acceptance (from the
 server's spec_decode metrics), the share of output words that repeat the prompt ("copied"), and whether
 every output equals the speculation-off output (greedy and seeded requests must). No smaller model with
@@ -42,6 +44,9 @@ from titan.bench.client import RequestResult, make_client, send_request
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "off": None,
+    # A second speculation-off server: its ratio to off is the noise floor of the sitting (two identical
+    # servers measured seconds apart differed by up to 13 % in one 8-second run of open-ended x16).
+    "off control": None,
     "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 4},
     # The adaptive rule chooses how many of up to 8 drafts each step verifies.
     "ngram adaptive k<=8": {"method": "ngram", "num_speculative_tokens": 8},
