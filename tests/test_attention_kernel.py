@@ -128,6 +128,39 @@ def test_kernel_head_dims_and_block_sizes(isa: str, head_dim: int) -> None:
         torch.set_num_threads(1)
 
 
+def test_a_rows_numbers_do_not_depend_on_the_step_it_rides_in(isa: str) -> None:
+    """Bit for bit: a query at position p gives the same output alone, at 1 or 4 threads, beside other
+    sequences, and as any row of a verify chunk, around and across the split grid's part boundaries. This
+    is what makes speculative decoding exact and a greedy request's tokens independent of the load."""
+    contexts = [1100, 700, 2000, 40]
+    case = random_case(contexts, [1] * len(contexts), 9, 3, 64, 16, seed=7)
+    width = max(len(t) for t in case["tables"])
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in case["tables"]])
+    positions = torch.randn(1100, 9, 64, generator=torch.Generator().manual_seed(8))
+    others = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(9))
+
+    def attend(query: torch.Tensor, sequences: list[int], rows: list[int], ends: list[int]) -> torch.Tensor:
+        starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+        return NATIVE.paged_attention(query, case["key_cache"], case["value_cache"], tables[sequences], starts,
+                                      torch.tensor(ends), 16, 0.125)
+
+    before = torch.get_num_threads()
+    try:
+        for p in (5, 300, 510, 511, 512, 513, 515, 700, 1023, 1024, 1030, 1099):
+            torch.set_num_threads(1)
+            alone = attend(positions[p:p + 1], [0], [1], [p + 1])
+            torch.set_num_threads(4)
+            assert torch.equal(attend(positions[p:p + 1], [0], [1], [p + 1]), alone), p
+            beside = attend(torch.cat([others, positions[p:p + 1]]), [1, 2, 3, 0], [1, 1, 1, 1], [700, 2000, 40, p + 1])
+            assert torch.equal(beside[-1:], alone), p
+            for before_p in range(min(p, 5) + 1):  # p as row `before_p` of a 6-row (or shorter) verify chunk
+                first, end = p - before_p, min(p - before_p + 6, 1100)
+                chunk = attend(positions[first:end], [0], [end - first], [end])
+                assert torch.equal(chunk[before_p:before_p + 1], alone), (p, before_p)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", range(1, NATIVE_CHUNK_MAX_ROWS + 1))
 def test_every_chunk_length_on_one_long_sequence(isa: str, threads: int, rows: int) -> None:
     case = random_case([1500], [rows], 9, 3, 64, 16, seed=rows)

@@ -24,11 +24,16 @@ struct AttentionJob {
     int64_t context;            // tokens in the cache for the sequence, its new rows included
     int64_t begin, end;         // the cache positions this job covers
     // Output of query q: out[row * out_row_stride + head * head_dim ..]. With stats == nullptr the
-    // normalized attention output; otherwise the unnormalized sum of exp(score - max) * value, with
-    // stats[2q] = that max and stats[2q + 1] = the sum of exp(score - max), for a later merge of splits.
+    // normalized attention output ([begin, end) lies within one part). Otherwise one result per part of
+    // `part_positions` cache positions ([k * part_positions, (k + 1) * part_positions), the grid fixed by
+    // position) that the job covers, the j-th at out + j * part_stride and stats + j * part_stride: the
+    // unnormalized sum of exp(score - max) * value, with stats[2q] = that max and stats[2q + 1] = the sum
+    // of exp(score - max), for the merge of the parts.
     float* out;
     int64_t out_row_stride;
     float* stats;
+    int64_t part_positions;
+    int64_t part_stride;
 };
 
 struct AttentionTable {

@@ -8,15 +8,22 @@
 #include <limits>
 #include <vector>
 
+#include <memory>
+
 #include "attention.h"
 #include "attention_ops.h"
 #include "pool.h"
 
 namespace {
 
-// A split covers at least this many cache positions: below it the merge and the per-job setup would cost
-// more than the parallelism gains.
-constexpr int64_t kMinSplitPositions = 256;
+// A context longer than this is computed in parts on a fixed grid of this many cache positions (0-511,
+// 512-1023, ...), each part's sums kept apart and the parts merged flash-decoding style; a job (a thread's
+// unit of work) covers one part or several in a row. The grid depends on the positions alone, never on the
+// batch, the thread count or a row's place in a verify chunk, so a row's numbers are the same in every step:
+// a speculative verify row equals the decode row it replaces, and a greedy request gives the same tokens
+// alone or beside others. (Splits that followed the batch's work, as before, made a decode at context 600
+// differ in the last bit between a step alone and one beside 15 others, at 2 threads.)
+constexpr int64_t kPartPositions = 512;
 // Jobs per thread to aim for when splitting, so uneven jobs still balance.
 constexpr int64_t kJobsPerThread = 2;
 // Below this many (query x position) pairs in the whole call, waking the thread pool costs more than the
@@ -90,23 +97,24 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
     const bool parallel = threads > 1 && total_pairs * H >= kInlinePairs;
 
     // Jobs take every kv head of a sequence (its K/V rows are read whole and in order: fewer, longer
-    // memory streams). With threads to feed, long contexts split into block-aligned parts, and where that
-    // still leaves fewer jobs than wanted, every kv head becomes a job of its own.
+    // memory streams). With threads to feed, a long context's parts are dealt out over several jobs, and
+    // where that still leaves fewer jobs than wanted, every kv head becomes a job of its own. How the parts
+    // are dealt out changes which thread computes them, never a number.
     const int64_t wanted_jobs = threads * kJobsPerThread;
-    std::vector<int64_t> splits(B, 1);
+    std::vector<int64_t> parts(B, 1), splits(B, 1);
+    for (int64_t b = 0; b < B; b++) parts[b] = std::max<int64_t>(1, (cp[b] + kPartPositions - 1) / kPartPositions);
     auto plan = [&](int64_t heads_per_job) {
         const int64_t target = std::max<int64_t>(1, total_pairs * (Hkv / heads_per_job) / wanted_jobs);
         int64_t planned = 0;
         for (int64_t b = 0; b < B; b++) {
-            const int64_t rows = sp[b + 1] - sp[b], context = cp[b];
-            const int64_t wanted = (rows * context + target - 1) / target;
-            splits[b] = std::max<int64_t>(1, std::min(wanted, context / kMinSplitPositions));
+            const int64_t rows = sp[b + 1] - sp[b], wanted = (rows * cp[b] + target - 1) / target;
+            splits[b] = parallel ? std::clamp<int64_t>(wanted, 1, parts[b]) : 1;
             planned += rows > 0 ? splits[b] * (Hkv / heads_per_job) : 0;
         }
         return planned;
     };
     int64_t heads_per_job = Hkv;
-    if (parallel && plan(Hkv) < wanted_jobs) {
+    if (plan(Hkv) < wanted_jobs && parallel) {
         heads_per_job = 1;
         plan(1);
     }
@@ -115,12 +123,13 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
     std::vector<int64_t> partial_offset(B, 0);
     int64_t partial_floats = 0;
     for (int64_t b = 0; b < B; b++) {
-        if (splits[b] > 1) {
+        if (parts[b] > 1) {
             partial_offset[b] = partial_floats;
-            partial_floats += splits[b] * chunks * (sp[b + 1] - sp[b]) * job_heads * (D + 2);
+            partial_floats += parts[b] * chunks * (sp[b + 1] - sp[b]) * job_heads * (D + 2);
         }
     }
-    std::vector<float> partial(partial_floats);
+    // Every part's sums are written by its job before the merge reads them: no need to zero them first.
+    std::unique_ptr<float[]> partial(new float[partial_floats]);
     std::vector<AttentionJob> jobs;
     const float* qp = query.data_ptr<float>();
     for (int64_t b = 0; b < B; b++) {
@@ -145,19 +154,21 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
                 job.block_table = tp + b * max_blocks;
                 job.block_size = block_size;
                 job.context = context;
-                // Split boundaries on block edges, so a split never starts mid-page.
-                const int64_t blocks = (context + block_size - 1) / block_size;
-                job.begin = std::min(context, (blocks * s / splits[b]) * block_size);
-                job.end = s + 1 == splits[b] ? context : std::min(context, (blocks * (s + 1) / splits[b]) * block_size);
-                if (splits[b] == 1) {
+                // Parts [first, last) of the sequence, dealt out evenly.
+                const int64_t first = parts[b] * s / splits[b], last = parts[b] * (s + 1) / splits[b];
+                job.begin = first * kPartPositions;
+                job.end = std::min(context, last * kPartPositions);
+                job.part_positions = kPartPositions;
+                if (parts[b] == 1) {
                     job.out = op + sp[b] * H * D + first_head * D;
                     job.out_row_stride = H * D;
                     job.stats = nullptr;
                 } else {
-                    float* base = partial.data() + partial_offset[b] + (chunk * splits[b] + s) * part;
+                    float* base = partial.get() + partial_offset[b] + (chunk * parts[b] + first) * part;
                     job.out = base;
                     job.out_row_stride = job_heads * D;
                     job.stats = base + rows * job_heads * D;
+                    job.part_stride = part;
                 }
                 jobs.push_back(job);
             }
@@ -179,21 +190,22 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
         });
     }
 
-    // Merge the splits of each split sequence: rescale each part to the common max, then normalize.
+    // Merge the parts of each long sequence, always the same way: rescale each part to the common max, then
+    // normalize (a part no position of which is visible to a query adds nothing).
     for (int64_t b = 0; b < B; b++) {
-        if (splits[b] <= 1) continue;
+        if (parts[b] <= 1) continue;
         const int64_t rows = sp[b + 1] - sp[b], queries = rows * job_heads, part = queries * (D + 2);
         for (int64_t chunk = 0; chunk < chunks; chunk++) {
-            const float* base = partial.data() + partial_offset[b] + chunk * splits[b] * part;
+            const float* base = partial.get() + partial_offset[b] + chunk * parts[b] * part;
             for (int64_t q = 0; q < queries; q++) {
                 float best = -std::numeric_limits<float>::infinity();
-                for (int64_t s = 0; s < splits[b]; s++) best = std::max(best, base[s * part + queries * D + 2 * q]);
+                for (int64_t s = 0; s < parts[b]; s++) best = std::max(best, base[s * part + queries * D + 2 * q]);
                 float* dst = op + (sp[b] + q / job_heads) * H * D + (chunk * job_heads + q % job_heads) * D;
                 std::fill(dst, dst + D, 0.0f);
                 float total = 0.0f;
-                for (int64_t s = 0; s < splits[b]; s++) {
+                for (int64_t s = 0; s < parts[b]; s++) {
                     const float* stats = base + s * part + queries * D + 2 * q;
-                    if (stats[1] == 0.0f) continue;  // no position of this split is visible to q
+                    if (stats[1] == 0.0f) continue;
                     const float weight = std::exp(stats[0] - best);
                     total += weight * stats[1];
                     const float* acc = base + s * part + q * D;
