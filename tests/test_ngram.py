@@ -44,6 +44,9 @@ def test_the_drafter_keeps_an_index_per_running_sequence_and_rebuilds_a_cut_one(
     drafter = NgramDrafter(SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_max=3,
                                              prompt_lookup_min=1))
     seq = Sequence([1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=16))
+    seq.num_computed_tokens = 3  # still prefilling: its prompt is indexed as far as it is computed
+    drafter.propose([seq])
+    assert seq.draft_token_ids == [] and drafter.indexes[seq.seq_id].tokens == [1, 2, 3]
     seq.num_computed_tokens = seq.num_tokens - 1  # a decode: the last token's K/V is computed next
     drafter.propose([seq])
     assert seq.draft_token_ids == [3, 4, 1]

@@ -35,15 +35,20 @@ class NgramDrafter:
     def propose(self, running: list[Sequence]) -> None:
         indexes: dict[int, NgramIndex] = {}
         for seq in running:
+            seq.draft_token_ids = []
+            if seq.grammar is not None:  # never speculated
+                continue
             index = self.indexes.get(seq.seq_id)
             if index is None or len(index.tokens) > seq.num_tokens:  # new, or its tokens were cut
                 index = NgramIndex(self.lookup_max, self.lookup_min)
             indexes[seq.seq_id] = index
-            if not wants_drafts(seq):
-                seq.draft_token_ids = []
-                continue
-            index.extend(seq.token_ids_slice(len(index.tokens), seq.num_tokens))
-            seq.draft_token_ids = index.propose(self.num_tokens)
+            # A prompt is indexed chunk by chunk as it is prefilled, not all at its first decode, where a
+            # 32K-token prompt would stall every stream's step by ~50 ms.
+            decoding = wants_drafts(seq)
+            known = seq.num_tokens if decoding else seq.num_computed_tokens
+            index.extend(seq.token_ids_slice(len(index.tokens), known))
+            if decoding:
+                seq.draft_token_ids = index.propose(self.num_tokens)
         self.indexes = indexes  # a preempted or finished sequence's index goes (rebuilt if it returns)
 
 
