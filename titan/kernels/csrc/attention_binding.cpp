@@ -1,14 +1,13 @@
-// Torch binding of paged attention: argument checks, the job list (sequence x kv heads x context split),
-// scheduling on torch's intra-op pool, and the merge of split jobs (flash-decoding).
+// Torch binding of paged attention: argument checks, the job list (sequence x kv heads x runs of context parts),
+// scheduling on torch's intra-op pool, and the merge of the parts (flash-decoding).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
-
 #include <memory>
+#include <vector>
 
 #include "attention.h"
 #include "attention_ops.h"
