@@ -8,7 +8,7 @@ from titan.config import SpeculativeConfig
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.sequence import Sequence
 from titan.engine.spec.drafter import NgramDrafter
-from titan.engine.spec.ngram import NgramIndex, NgramProposer
+from titan.engine.spec.ngram import NgramIndex
 
 
 def scanned(tokens: list[int], lookup_max: int, lookup_min: int, num_tokens: int) -> list[int]:
@@ -36,8 +36,9 @@ def test_the_index_extended_piece_by_piece_drafts_what_a_scan_finds() -> None:
             done = min(len(tokens), done + rng.randint(1, 4))
             index.extend(tokens[len(index.tokens):done])
             assert index.propose(num_tokens) == scanned(tokens[:done], lookup_max, lookup_min, num_tokens)
-        assert NgramProposer(lookup_max, lookup_min).propose(tokens, num_tokens) == \
-            scanned(tokens, lookup_max, lookup_min, num_tokens)
+        whole = NgramIndex(lookup_max, lookup_min)  # the whole list at once, as a preempted sequence returns
+        whole.extend(tokens)
+        assert whole.propose(num_tokens) == scanned(tokens, lookup_max, lookup_min, num_tokens)
 
 
 def test_the_drafter_keeps_an_index_per_running_sequence_and_rebuilds_a_cut_one() -> None:

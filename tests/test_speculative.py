@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from titan.config import SpeculativeConfig
 from titan.config_flags import engine_config
 from titan.engine.sampling_params import SamplingParams
-from titan.engine.spec.ngram import NgramProposer
+from titan.engine.spec.ngram import NgramIndex
 from titan.entrypoints.llm import LLM
 from titan.loader import load_model_files
 
@@ -212,9 +212,13 @@ def test_a_draft_that_is_always_accepted_would_fail_the_distribution_test(
     _, model = tiny_model
     prompt = model_written_prompt(model)
     marginals = exact_marginals(model, prompt, 2)
-    proposer = NgramProposer(NGRAM["prompt_lookup_max"], NGRAM["prompt_lookup_min"])
+    def draft(tokens: list[int]) -> list[int]:
+        index = NgramIndex(NGRAM["prompt_lookup_max"], NGRAM["prompt_lookup_min"])
+        index.extend(tokens)
+        return index.propose(1)
+
     first = torch.multinomial(marginals[0].float(), 2000, replacement=True, generator=torch.Generator().manual_seed(0))
-    biased = torch.tensor([(proposer.propose(prompt + [token], 1) or [token])[0] for token in first.tolist()])
+    biased = torch.tensor([(draft(prompt + [token]) or [token])[0] for token in first.tolist()])
     assert chi_square_p_value(torch.bincount(biased, minlength=VOCAB), marginals[1]) < 1e-4
 
 

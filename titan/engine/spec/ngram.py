@@ -44,16 +44,3 @@ class NgramIndex:
             if end is not None:
                 return tokens[end + 1:end + 1 + num_tokens]
         return []
-
-
-class NgramProposer:
-    """Prompt lookup over a whole token list at once (the drafter keeps an `NgramIndex` per sequence)."""
-
-    def __init__(self, lookup_max: int, lookup_min: int) -> None:
-        self.lookup_max = lookup_max
-        self.lookup_min = lookup_min
-
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        index = NgramIndex(self.lookup_max, self.lookup_min)
-        index.extend(token_ids)
-        return index.propose(num_tokens)
