@@ -107,13 +107,13 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
         int64_t planned = 0;
         for (int64_t b = 0; b < B; b++) {
             const int64_t rows = sp[b + 1] - sp[b], wanted = (rows * cp[b] + target - 1) / target;
-            splits[b] = parallel ? std::clamp<int64_t>(wanted, 1, parts[b]) : 1;
+            splits[b] = std::clamp<int64_t>(wanted, 1, parts[b]);
             planned += rows > 0 ? splits[b] * (Hkv / heads_per_job) : 0;
         }
         return planned;
     };
     int64_t heads_per_job = Hkv;
-    if (plan(Hkv) < wanted_jobs && parallel) {
+    if (parallel && plan(Hkv) < wanted_jobs) {
         heads_per_job = 1;
         plan(1);
     }
