@@ -9,8 +9,9 @@
    prefix-affinity router over two replicas; after `--kill-after` s one replica gets SIGKILL; the load
    runs `--kill-duration` s in all. Counts requests that succeeded and, of those that failed, how many were
    streams already under way (the only kind allowed to fail), plus the router's retries.
-3. TTFT tails per policy on a multi-prefix workload (`benchmarks/router_tails.py`, on fresh replicas):
-   P50/P99 per policy and the default policy's P99 against round-robin's.
+3. TTFT tails per policy on a multi-prefix workload (`benchmarks/router_tails.py`, on fresh replicas with
+   a KV cache that holds about half the prefixes): P50/P99 per policy, cold and warm, and the default
+   policy's P99 against round-robin's.
 
 Replicas: the default model, small step shapes, one torch thread each (`OMP_NUM_THREADS=1`: replicas share
 this machine's cores).

@@ -6,7 +6,15 @@ application), each request one of them picked at random plus a short distinct qu
 out. TTFT is the client's: send to the first content event. Each policy gets fresh prefixes (no cache
 carried over) and the same arrival times and prefix picks.
 
-    .venv/bin/python benchmarks/router_tails.py [--servers 3] [--policies score round-robin]
+Each replica's KV cache (`--kv-cache-memory`, 0.06 GiB) holds about half the prefixes, as a production
+pool holds a share of its applications' prompts. Two phases per policy, each its own row:
+- cold: the fleet has never seen the prefixes, so each one's first request computes it whatever the policy
+  (a floor no routing removes: a 400-word prefill on one thread);
+- warm (`--phases cold warm`): the same schedule with new questions, after the cold phase, so every prefix has
+  been sent once through this policy's router. That is the steady state of a fleet serving a fixed set of
+  system prompts, and what routing changes: where each prefix's later requests land.
+
+    .venv/bin/python benchmarks/router_tails.py [--servers 3] [--policies score round-robin] [--phases cold warm]
 
 `benchmarks/router.py` runs it too, as its third part.
 """
@@ -35,6 +43,10 @@ WORDS = ("store tool paint garden supply fastener key cutting mixing rental aisl
          "delivery hammer drill screw bolt nut washer hinge lock chain rope ladder bucket brush roller tape "
          "glue saw blade wrench pliers clamp level ruler pencil glove mask boot hose sprinkler seed soil "
          "fertilizer mulch shovel rake hoe wheelbarrow lamp bulb switch socket cable wire fuse battery").split()
+
+
+# ~1,400 tokens of float32 KV for SmolLM2-135M: about three of the ~470-token prompts.
+KV_CACHE_GIB = 0.06
 
 
 def make_prefix(tag: str, number: int, words: int) -> str:
@@ -78,25 +90,28 @@ def stream_ttft(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     return outcome
 
 
-def policy_run(servers: list[ServerProcess], policy: str, schedule: list[tuple[float, int]], prefix_words: int,
-               max_tokens: int) -> dict[str, Any]:
-    prefixes = [make_prefix(policy, number, prefix_words) for number in range(max(p for _, p in schedule) + 1)]
-    with RouterProcess([server.url for server in servers], ["--policy", policy, *ROUTER_ARGS]) as router:
-        outcomes: list[dict[str, Any]] = [{} for _ in schedule]
-        threads = []
-        started = time.perf_counter()
-        for index, (offset, prefix) in enumerate(schedule):
-            time.sleep(max(0.0, started + offset - time.perf_counter()))
-            prompt = f"{prefixes[prefix]}Question {index}: which aisle has item {index}?"
+def send_schedule(url: str, schedule: list[tuple[float, int]], prefixes: list[str], max_tokens: int,
+                  phase: str) -> list[dict[str, Any]]:
+    """Sends the schedule open loop (a thread per request) and waits for every answer."""
+    outcomes: list[dict[str, Any]] = [{} for _ in schedule]
+    threads = []
+    started = time.perf_counter()
+    for index, (offset, prefix) in enumerate(schedule):
+        time.sleep(max(0.0, started + offset - time.perf_counter()))
+        prompt = f"{prefixes[prefix]}Question {phase}-{index}: which aisle has item {index}?"
 
-            def send(index: int = index, prompt: str = prompt) -> None:
-                outcomes[index] = stream_ttft(router.url, prompt, max_tokens)
+        def send(index: int = index, prompt: str = prompt) -> None:
+            outcomes[index] = stream_ttft(url, prompt, max_tokens)
 
-            thread = threading.Thread(target=send)
-            thread.start()
-            threads.append(thread)
-        for thread in threads:
-            thread.join()
+        thread = threading.Thread(target=send)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def summarize_phase(policy: str, schedule: list[tuple[float, int]], outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     ttfts = np.asarray([o["ttft"] for o in outcomes if o.get("ok")]) * 1000
     per_backend: dict[str, int] = {}
     for outcome in outcomes:
@@ -113,29 +128,47 @@ def policy_run(servers: list[ServerProcess], policy: str, schedule: list[tuple[f
                                 for (offset, prefix), outcome in zip(schedule, outcomes, strict=True)]}
 
 
+def policy_run(servers: list[ServerProcess], policy: str, schedule: list[tuple[float, int]], prefix_words: int,
+               max_tokens: int, phases: tuple[str, ...] = ("cold",)) -> dict[str, dict[str, Any]]:
+    """One router with `policy` over the replicas; the schedule once per phase, in order (cold first)."""
+    prefixes = [make_prefix(policy, number, prefix_words) for number in range(max(p for _, p in schedule) + 1)]
+    results = {}
+    with RouterProcess([server.url for server in servers], ["--policy", policy, *ROUTER_ARGS]) as router:
+        for phase in phases:
+            results[phase] = summarize_phase(policy, schedule, send_schedule(router.url, schedule, prefixes,
+                                                                              max_tokens, phase))
+    return results
+
+
 def run(args: argparse.Namespace, servers: list[ServerProcess] | None = None) -> dict[str, Any]:
     """Every policy over the same schedule; on `servers` if given (left running), else on fresh ones."""
     schedule = plan(args.requests, args.prefixes, args.rate, args.seed)
     own = servers is None
-    servers = start_servers(args.servers) if servers is None else servers
-    runs = {}
+    servers = start_servers(args.servers, kv_cache_gib=args.kv_cache_memory) if servers is None else servers
+    phases = tuple(args.phases)
+    runs: dict[str, dict[str, dict[str, Any]]] = {phase: {} for phase in phases}
     try:
         for policy in args.policies:
-            runs[policy] = policy_run(servers, policy, schedule, args.prefix_words, args.max_tokens)
-            result = runs[policy]
-            print(f"{policy:>16}: TTFT P50/P99 {result['ttft_p50_ms']:.0f} / {result['ttft_p99_ms']:.0f} ms "
-                  f"(max {result['ttft_max_ms']:.0f}), {result['succeeded']}/{result['requests']} ok, "
-                  f"per backend {result['requests_per_backend']}", flush=True)
+            for phase, result in policy_run(servers, policy, schedule, args.prefix_words, args.max_tokens,
+                                            phases).items():
+                runs[phase][policy] = result
+                print(f"{phase:>5} {policy:>16}: TTFT P50/P99 {result['ttft_p50_ms']:.0f} / "
+                      f"{result['ttft_p99_ms']:.0f} ms (max {result['ttft_max_ms']:.0f}), "
+                      f"{result['succeeded']}/{result['requests']} ok, per backend {result['requests_per_backend']}",
+                      flush=True)
     finally:
         if own:
             stop_servers(servers)
-    baseline = runs.get("round-robin", {}).get("ttft_p99_ms")
-    ratios = {policy: baseline / run["ttft_p99_ms"] for policy, run in runs.items()
-              if baseline and run.get("ttft_p99_ms")}
-    for policy, ratio in ratios.items():
-        print(f"{policy:>16}: P99 {ratio:.2f}x better than round-robin", flush=True)
+    ratios: dict[str, dict[str, float]] = {}
+    for phase, by_policy in runs.items():
+        baseline = by_policy.get("round-robin", {}).get("ttft_p99_ms")
+        ratios[phase] = {policy: baseline / run["ttft_p99_ms"] for policy, run in by_policy.items()
+                         if baseline and run.get("ttft_p99_ms")}
+        for policy, ratio in ratios[phase].items():
+            print(f"{phase:>5} {policy:>16}: P99 {ratio:.2f}x better than round-robin", flush=True)
     return {"workload": {key: getattr(args, key) for key in ("servers", "prefixes", "prefix_words", "requests",
-                                                              "rate", "max_tokens", "seed")},
+                                                              "rate", "max_tokens", "seed", "phases",
+                                                              "kv_cache_memory")},
             "server_args": SERVER_ARGS, "server_env": SERVER_ENV, "runs": runs,
             "p99_speedup_vs_round_robin": ratios}
 
@@ -150,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, ser
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=["round-robin", "prefix-affinity", "score"])
+    parser.add_argument("--kv-cache-memory", type=float, default=KV_CACHE_GIB,
+                        help="each replica's KV cache in GiB: at the default a replica holds about half the "
+                             "prefixes, so a router that keeps each prefix in one place keeps hitting while one "
+                             "that spreads them evicts (the fleet's own 0.2 holds all of them everywhere)")
+    parser.add_argument("--phases", nargs="+", choices=("cold", "warm"), default=["cold", "warm"],
+                        help="cold: the prefixes never seen; warm: the schedule again, every prefix seen once")
 
 
 def main() -> None:
