@@ -113,6 +113,25 @@ def test_late_first_tokens_stretch_a_backends_predictions() -> None:
     assert quick.ttft_calibration == pytest.approx(20.0 / 2**0.5)
 
 
+def test_a_backend_with_no_first_token_yet_is_priced_like_its_peers() -> None:
+    # The replica that served first answered sooner than its step costs said (a factor below 1). A replica
+    # none of whose first tokens was seen is priced with its peers' factor, so a new prefix ties and goes
+    # round the pool instead of piling onto the replica that happened to serve first.
+    policy = ScorePolicy(ScoreWeights(), blocks_per_backend=1000, chunk_chars=CHUNK)
+    served, idle = backends(2)
+    for _ in range(4):
+        served.first_token(1.0, 0.6)
+    assert served.ttft_calibration < 0.5 and served.ttft_observations == 4 and idle.ttft_observations == 0
+    cold = info(prefix(8) + "Question?")
+    policy.next_index = 1  # backend 0 took the last request: ties go to backend 1
+    assert policy.choose_for([served, idle], cold) is idle
+    assert policy.last[served.name] == pytest.approx(policy.last[idle.name])
+    # Once the idle one answered as its step costs said, its own factor counts: the served one looks faster.
+    idle.first_token(1.0, 1.0)
+    policy.next_index = 1
+    assert policy.choose_for([served, idle], info(prefix(9) + "Question?")) is served
+
+
 def test_a_backend_that_leaves_the_pool_is_forgotten() -> None:
     policy = ScorePolicy(ScoreWeights(prefix=5.0), blocks_per_backend=1000, chunk_chars=CHUNK)
     pool = BackendPool([BackendSpec("http://a", "a"), BackendSpec("http://b", "b")], policy)

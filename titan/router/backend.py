@@ -44,6 +44,7 @@ class Backend:
     # How far the score policy's first-token predictions run behind what this backend really does
     # (observed / predicted, a moving factor): a busy host or a cold replica is slower than its step costs say.
     ttft_calibration: float = 1.0
+    ttft_observations: int = 0  # first tokens that moved it (none: priced like its peers, scoring.py)
 
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
@@ -54,6 +55,7 @@ class Backend:
         if predicted <= 0:
             return
         ratio = min(max(observed / predicted, 0.5), 2.0)
+        self.ttft_observations += 1
         self.ttft_calibration = min(max(self.ttft_calibration * ratio**0.5, CALIBRATION_RANGE[0]),
                                     CALIBRATION_RANGE[1])
 

@@ -12,6 +12,8 @@ For each ready candidate the router estimates two things it can know without ask
   plus this prompt's own uncached part and one step's overhead, priced with the per-step and per-token
   costs fitted to the backend's scraped step metrics (step_cost.py), scaled by how late that backend's
   recent first tokens came against their predictions (a busy host, a cold replica: Backend.first_token).
+  A backend without a fitted cost or a first token yet is priced like its peers (their medians; never slower
+  than its step costs say).
 
 score = w_prefix·hit + w_ttft·(best predicted TTFT / this one's) + w_queue·(1 − load / highest load)
         + w_kv·(1 − KV usage),   load = outstanding + scraped waiting
@@ -113,9 +115,11 @@ class ScorePolicy:
         return self.choose_for(candidates, RoutingInfo(key=key))
 
     def predicted_ttft(self, backend: Backend, info: RoutingInfo, now: float,
-                       unfitted: tuple[float, float] = (DEFAULT_SECONDS_PER_TOKEN, 0.0)) -> tuple[float, float]:
+                       unfitted: tuple[float, float] = (DEFAULT_SECONDS_PER_TOKEN, 0.0),
+                       unobserved_calibration: float = 1.0) -> tuple[float, float]:
         """(predicted seconds to first token, expected prefix hit 0..1) for this prompt on `backend`;
-        `unfitted`: (seconds per token, step overhead) to price it with until its step metrics are fitted."""
+        `unfitted`: (seconds per token, step overhead) to price it with until its step metrics are fitted;
+        `unobserved_calibration`: its first-token factor until one of its first tokens was seen."""
         table = self.tables.get(backend.name)
         hits = table.leading_hits(info.blocks) if table is not None and info.blocks else 0
         hit = hits / len(info.blocks) if info.blocks else 0.0
@@ -128,13 +132,15 @@ class ScorePolicy:
         own = overhead + cost * (uncached_chars / CHARS_PER_TOKEN + 1)
         # Step costs fitted on a quiet backend understate a busy host's or a cold replica's: scale this
         # prompt's own part by how late this backend's recent first tokens came against their predictions.
-        return waiting + backend.ttft_calibration * own, hit
+        calibration = backend.ttft_calibration if backend.ttft_observations else unobserved_calibration
+        return waiting + calibration * own, hit
 
     def choose_for(self, candidates: Sequence[Backend], info: RoutingInfo) -> Backend:
         now = time.monotonic()
         weights = self.weights
-        unfitted = peer_costs(candidates)
-        predictions = {backend.name: self.predicted_ttft(backend, info, now, unfitted) for backend in candidates}
+        unfitted, unobserved = peer_costs(candidates), peer_calibration(candidates)
+        predictions = {backend.name: self.predicted_ttft(backend, info, now, unfitted, unobserved)
+                       for backend in candidates}
         best_ttft = min(ttft for ttft, _ in predictions.values())
         loads = {backend.name: backend.outstanding + (backend.waiting or 0.0) for backend in candidates}
         top_load = max(loads.values())
@@ -177,6 +183,16 @@ def peer_costs(candidates: Sequence[Backend]) -> tuple[float, float]:
         return DEFAULT_SECONDS_PER_TOKEN, 0.0
     return (statistics.median(backend.seconds_per_token or 0.0 for backend in fitted),
             statistics.median(backend.step_overhead or 0.0 for backend in fitted))
+
+
+def peer_calibration(candidates: Sequence[Backend]) -> float:
+    """The first-token factor of a backend none of whose first tokens was seen yet: its observed peers'
+    median where they answer sooner than their step costs say, else 1 (a slow peer is a busy host, which
+    says nothing of this one; an untried backend is never assumed slow, or it would never be tried). At 1
+    always, the replica that had served first (a factor below 1) looked faster than the idle ones for every
+    new prefix: it and one other took all 36 requests in benchmarks/router_tails.py, the third none."""
+    observed = [backend.ttft_calibration for backend in candidates if backend.ttft_observations]
+    return min(statistics.median(observed), 1.0) if observed else 1.0
 
 
 def score_policy(config: RouterConfig) -> ScorePolicy:
