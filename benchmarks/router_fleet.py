@@ -13,12 +13,17 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 ROUTER_ARGS = ["--health-interval", "0.25"]
 
 
-def start_servers(count: int, kv_cache_gib: float | None = None) -> list[ServerProcess]:
-    """`count` replicas; `kv_cache_gib` replaces the fleet's KV cache size."""
+def server_args(kv_cache_gib: float | None = None) -> list[str]:
+    """The replicas' flags; `kv_cache_gib` replaces the fleet's KV cache size."""
     args = list(SERVER_ARGS)
     if kv_cache_gib is not None:
         args[args.index("--kv-cache-memory") + 1] = f"{kv_cache_gib:g}"
-    servers = [ServerProcess(args, env=SERVER_ENV) for _ in range(count)]
+    return args
+
+
+def start_servers(count: int, kv_cache_gib: float | None = None) -> list[ServerProcess]:
+    """`count` replicas with `server_args(kv_cache_gib)`."""
+    servers = [ServerProcess(server_args(kv_cache_gib), env=SERVER_ENV) for _ in range(count)]
     threads = [threading.Thread(target=server.start) for server in servers]
     for thread in threads:
         thread.start()

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 from common import write_result
-from router_fleet import ROUTER_ARGS, SERVER_ARGS, SERVER_ENV, start_servers, stop_servers
+from router_fleet import ROUTER_ARGS, SERVER_ENV, server_args, start_servers, stop_servers
 
 from harness.router import RouterProcess
 from harness.server import ServerProcess
@@ -169,7 +169,8 @@ def run(args: argparse.Namespace, servers: list[ServerProcess] | None = None) ->
     return {"workload": {key: getattr(args, key) for key in ("servers", "prefixes", "prefix_words", "requests",
                                                               "rate", "max_tokens", "seed", "phases",
                                                               "kv_cache_memory")},
-            "server_args": SERVER_ARGS, "server_env": SERVER_ENV, "runs": runs,
+            "server_args": server_args(args.kv_cache_memory) if own else None, "server_env": SERVER_ENV,
+            "runs": runs,
             "p99_speedup_vs_round_robin": ratios}
 
 
