@@ -310,7 +310,9 @@ def test_compare_and_sweep(server: OpenAITestServer, tmp_path: Path, capsys: pyt
     assert main(["bench", "compare", str(tmp_path / "a")]) == 2
     assert main(["bench", "compare", str(tmp_path / "a"), str(tmp_path / "missing.json")]) == 2
 
-    code = main([*common, "--sweep", "20,1000", "--slo", "e2e=5000", "--output-dir", str(tmp_path / "s")])
+    # An SLO no request misses on any machine, loaded or not: the sweep's points and knee are what is tested,
+    # not this machine's speed (e2e=5000 failed once in CI while other work slowed the suite 1.9x).
+    code = main([*common, "--sweep", "20,1000", "--slo", "e2e=300000", "--output-dir", str(tmp_path / "s")])
     assert code == 0
     sweep = json.loads((tmp_path / "s" / "sweep.json").read_text())
     assert [p["request_rate"] for p in sweep["points"]] == [20, 1000]
