@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import statistics
 import sys
@@ -126,10 +127,13 @@ def cell_stats(report: dict[str, Any], slo: Slo) -> dict[str, Any]:
             "goodput_rps": good["goodput_rps"], "good": good["good"], "attainment": good["attainment"]}
 
 
-def budget_evidence(url: str, since_wall: float) -> dict[str, Any]:
-    """The candidate's /debug/steps over the cell: why steps got their budget, and predicted vs actual."""
+def budget_evidence(url: str, since_wall: float, keep: Path) -> dict[str, Any]:
+    """The candidate's /debug/steps over the cell: why steps got their budget, and predicted vs actual. The
+    steps themselves are kept in `keep` (steps.json), for attributing the cell's gaps to steps."""
     data = httpx.get(url + "/debug/steps", params={"limit": 2048}, timeout=30).json()["data"]
     steps = [s for s in data if s["time"] >= since_wall]
+    keep.mkdir(parents=True, exist_ok=True)
+    (keep / "steps.json").write_text(json.dumps(steps))
     reasons = collections.Counter((s.get("budget") or {}).get("reason", "none") for s in steps)
     ratios = [s["duration"] / s["predicted_duration"] for s in steps if s.get("predicted_duration")]
     return {"steps": len(steps), "reasons": dict(reasons),
@@ -245,11 +249,11 @@ def main() -> None:
                     before = os.getloadavg()[0]
                     # A seed per cell, the same for both servers: no cell hits the prefix cache of another's prompts.
                     seed = args.seed + 1000 * number
-                    _, code, report = run_bench(server.url, workload_args(preset, rate, duration, seed),
-                                                Path("benchmarks/results/default_policy") / f"{name}-{key}")
+                    run_dir = Path("benchmarks/results/default_policy") / f"{name}-{key}"
+                    _, code, report = run_bench(server.url, workload_args(preset, rate, duration, seed), run_dir)
                     cell[name] = cell_stats(report, slo) | {"bench_exit": code, "load_1min": before}
                     if name == "candidate":
-                        cell["candidate_steps"] = budget_evidence(server.url, since)
+                        cell["candidate_steps"] = budget_evidence(server.url, since, run_dir)
                     got = cell[name]
                     print(f"  {key} {name}: tok/s {got['output_tok_s']:.1f}, TTFT P99 {got['ttft_ms']['p99'] or 0:.0f}"
                           f" ms, ITL P50/P99 {got['itl_ms']['p50'] or 0:.0f}/{got['itl_ms']['p99'] or 0:.0f} ms, "
