@@ -6,8 +6,9 @@ application), each request one of them picked at random plus a short distinct qu
 out. TTFT is the client's: send to the first content event. Each policy gets fresh prefixes (no cache
 carried over) and the same arrival times and prefix picks.
 
-Each replica's KV cache (`--kv-cache-memory`, 0.06 GiB) holds about half the prefixes, as a production
-pool holds a share of its applications' prompts. Two phases per policy, each its own row:
+Each replica's KV cache (`--kv-cache-memory`, 0.03 GiB of the float16 default, ~1,400 tokens) holds about
+half the prefixes, as a production pool holds a share of its applications' prompts. Two phases per policy,
+each its own row:
 - cold: the fleet has never seen the prefixes, so each one's first request computes it whatever the policy
   (a floor no routing removes: a 400-word prefill on one thread);
 - warm (`--phases cold warm`): the same schedule with new questions, after the cold phase, so every prefix has
@@ -46,7 +47,7 @@ WORDS = ("store tool paint garden supply fastener key cutting mixing rental aisl
 
 
 # ~1,400 tokens of float32 KV for SmolLM2-135M: about three of the ~470-token prompts.
-KV_CACHE_GIB = 0.06
+KV_CACHE_GIB = 0.03
 
 
 def make_prefix(tag: str, number: int, words: int) -> str:

@@ -167,6 +167,15 @@ def test_every_chunk_length_on_one_long_sequence(isa: str, threads: int, rows: i
     assert (run_kernel(case, 0.125).double() - reference(case, 0.125)).abs().max().item() < BOUND
 
 
+def test_float16_cache_reads_as_its_float32_values(isa: str, threads: int) -> None:
+    """An fp16 cache gives, bit for bit, what a float32 cache holding the same (rounded) values gives: the
+    kernel widens each tile exactly and computes as before."""
+    case = random_case([1, 17, 300, 2000, 16], [1, 16, 5, 1, 3], 9, 3, 64, 16, seed=21)
+    half = case | {"key_cache": case["key_cache"].half(), "value_cache": case["value_cache"].half()}
+    rounded = case | {"key_cache": half["key_cache"].float(), "value_cache": half["value_cache"].float()}
+    assert torch.equal(run_kernel(half, 0.125), run_kernel(rounded, 0.125))
+
+
 @NEEDS_NATIVE
 def test_kernel_rejects_bad_arguments() -> None:
     case = random_case([40], [2], 4, 2, 64, 16, seed=0)
@@ -204,6 +213,12 @@ def test_write_kv_matches_index_copy() -> None:
     assert torch.equal(actual_k, expected_k) and torch.equal(actual_v, expected_v)
     with pytest.raises(RuntimeError, match="outside the cache"):
         NATIVE.write_kv(key, value, actual_k, actual_v, torch.tensor([9, 0, 3, 13, 4]))
+    # An fp16 cache holds what torch's rounding to float16 gives.
+    half_k, half_v = torch.zeros(13, 2, 16, dtype=torch.float16), torch.zeros(13, 2, 16, dtype=torch.float16)
+    NATIVE.write_kv(key, value, half_k, half_v, slots)
+    assert torch.equal(half_k, expected_k.half()) and torch.equal(half_v, expected_v.half())
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        NATIVE.write_kv(key, value, half_k, actual_v, slots)
 
 
 # --- the model's attention: the native plan against the PyTorch path ------------------------------------------
@@ -227,8 +242,10 @@ def test_plan_merges_verify_rows_and_leaves_long_chunks_to_sdpa() -> None:
 
 @NEEDS_NATIVE
 @pytest.mark.parametrize("isa_name", ["generic", "auto"])
-def test_native_plan_matches_pytorch_path(isa_name: str) -> None:
-    """One step of everything at once: decodes, verify rows, a long chunk between two short ones."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32-cache", "float16-cache"])
+def test_native_plan_matches_pytorch_path(isa_name: str, cache_dtype: torch.dtype) -> None:
+    """One step of everything at once: decodes, verify rows, a long chunk between two short ones; with an
+    fp16 cache both paths write the same rounded K/V and read them back alike."""
     NATIVE.set_isa(isa_name)
     try:
         block_size, heads, kv_heads, head_dim = 4, 6, 2, 64
@@ -247,7 +264,7 @@ def test_native_plan_matches_pytorch_path(isa_name: str) -> None:
         value = torch.randn(total, kv_heads, head_dim, generator=generator)
         results = []
         for use_native in (False, True):
-            key_cache, value_cache = history_k.clone(), history_v.clone()
+            key_cache, value_cache = history_k.to(cache_dtype, copy=True), history_v.to(cache_dtype, copy=True)
             key_cache[-1], value_cache[-1] = 0.0, 0.0  # the null slot
             metadata, _ = build_attention_metadata(lengths, starts, tables, block_size, torch.device("cpu"),
                                                    null_slot=slots - 1, native=use_native)

@@ -32,10 +32,15 @@ def test_flags_and_keywords_build_the_same_nested_config() -> None:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--block-size", "8", "--kv-cache-memory", "0.5", "--scheduling-policy", "priority",
-                              "--min-prefill-chunk", "32", "--no-enable-prefix-caching", "--admit-long-prompts"])
+                              "--min-prefill-chunk", "32", "--no-enable-prefix-caching", "--admit-long-prompts",
+                              "--kv-cache-dtype", "float16"])
     config = engine_config_from_args(args)
     assert config == engine_config(block_size=8, kv_cache_memory=0.5, scheduling_policy="priority",
-                                   min_prefill_chunk=32, enable_prefix_caching=False, admit_long_prompts=True)
+                                   min_prefill_chunk=32, enable_prefix_caching=False, admit_long_prompts=True,
+                                   kv_cache_dtype="float16")
+    assert config.cache.kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        engine_config(kv_cache_dtype="fp8")
     assert (config.cache.block_size, config.cache.kv_cache_memory_gib, config.cache.enable_prefix_caching) == (
         8, 0.5, False)
     assert (config.scheduler.policy, config.scheduler.min_prefill_chunk) == ("priority", 32)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from titan import LLM, SamplingParams
 from titan.engine.scheduler import RequestRejectedError
@@ -67,7 +68,7 @@ def test_batch_invariance_with_chunking_prefix_hits_and_preemption() -> None:
     del reference_llm
 
     # 4-token blocks, 24-token steps and ~46 blocks for 16 × (up to 36 + 16) tokens.
-    llm = LLM("default", block_size=4, max_num_batched_tokens=24, max_num_seqs=16, kv_cache_memory=0.008)
+    llm = LLM("default", block_size=4, max_num_batched_tokens=24, max_num_seqs=16, kv_cache_memory=0.004)
     engine = llm.engine
     assert llm.generate(prompts[0], greedy())[0].token_ids == reference[0]  # warms the prefix cache
     outputs = llm.generate(prompts, greedy())
@@ -76,6 +77,26 @@ def test_batch_invariance_with_chunking_prefix_hits_and_preemption() -> None:
     assert [o.token_ids for o in outputs] == reference
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_float16_kv_cache_holds_twice_the_tokens_and_keeps_batch_invariance() -> None:
+    """--kv-cache-dtype float16: the same memory holds twice the blocks, and a request's tokens still do not
+    depend on chunking, prefix hits or preemption (every path rounds K/V the same way)."""
+    prompts = [SHARED + p for p in PROMPTS[:4]] + PROMPTS[:4]
+    reference_llm = LLM("default", kv_cache_dtype="float16", max_num_batched_tokens=256, max_num_seqs=1,
+                        kv_cache_memory=0.05)
+    float32_blocks = LLM("default", kv_cache_memory=0.05, kv_cache_dtype="float32").engine.num_blocks
+    assert reference_llm.engine.num_blocks in (2 * float32_blocks, 2 * float32_blocks + 1)  # whole blocks
+    reference = [reference_llm.generate(p, greedy())[0].token_ids for p in prompts]
+    del reference_llm
+
+    llm = LLM("default", kv_cache_dtype="float16", block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
+              kv_cache_memory=0.003)
+    assert all(cache.dtype == torch.float16 for layer in llm.engine.runner.kv_caches for cache in layer)
+    assert llm.generate(prompts[0], greedy())[0].token_ids == reference[0]  # warms the prefix cache
+    outputs = llm.generate(prompts, greedy())
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache was sized to force preemption"
+    assert [o.token_ids for o in outputs] == reference
 
 
 def test_seeded_sampling_ignores_the_rest_of_the_batch(llm: LLM) -> None:

@@ -42,10 +42,11 @@ def tiny_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def runner_pair(config: ModelConfig, weights: dict) -> tuple[ModelRunner, ModelRunner]:
+def runner_pair(config: ModelConfig, weights: dict,
+                kv_cache_dtype: torch.dtype = torch.float32) -> tuple[ModelRunner, ModelRunner]:
     """Two runners on the same weights: the first runs the native stack, the second layer by layer."""
     made = [ModelRunner(config, weights, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"), torch.float32,
-                        sampler=None) for _ in range(2)]  # type: ignore[arg-type]
+                        sampler=None, kv_cache_dtype=kv_cache_dtype) for _ in range(2)]  # type: ignore[arg-type]
     made[1].model._native_stack = None
     return made[0], made[1]
 
@@ -105,6 +106,19 @@ def test_tiny_models_native_stack_equals_layer_path(architecture: str, quantizat
     steps, narrow = narrow_schedule(config.vocab_size, seed=5)
     compare_steps(runner_pair(config, weights), steps)
     assert calls[0] == narrow  # every narrow step ran natively; the 20-row chunk did not
+
+
+def test_float16_kv_cache_native_stack_equals_layer_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp16 KV cache (--kv-cache-dtype float16) keeps the native stack, and its numbers are still the layer
+    path's, verify rows and the long chunk's SDPA included."""
+    config = ModelConfig(architecture="LlamaForCausalLM", **TINY)
+    weights = quantize_state_dict(tiny_weights(config, seed=4), "int4")
+    calls = count_stack_calls(monkeypatch)
+    steps, narrow = narrow_schedule(config.vocab_size, seed=6)
+    pair = runner_pair(config, weights, torch.float16)
+    assert all(cache.dtype == torch.float16 for layer in pair[0].kv_caches for cache in layer)
+    compare_steps(pair, steps)
+    assert calls[0] == narrow
 
 
 def test_float_weights_keep_the_layer_path() -> None:

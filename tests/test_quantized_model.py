@@ -137,6 +137,26 @@ def test_teacher_forced_top1_agreement(runners: tuple[ModelRunner, ModelRunner, 
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
 
 
+def test_float16_kv_cache_top1_agreement(runners: tuple[ModelRunner, ModelRunner, Tokenizer]) -> None:
+    """--kv-cache-dtype float16 against the float32 cache, both on the quantized kernels, the same texts and
+    chunks: K/V rounded to fp16 (10-bit mantissa) move the logits by rounding noise only."""
+    float32_cache, _, tokenizer = runners
+    files = load_model_files("default", "auto")
+    float16_cache = ModelRunner(files.config, files.weights, 160, BLOCK_SIZE, torch.device("cpu"), torch.float32,
+                                sampler=None, kv_cache_dtype=torch.float16)  # type: ignore[arg-type]
+    agree = total = 0
+    for index, text in enumerate(TEXTS):
+        tokens = tokenizer.encode(text)[:2000]
+        size = NARROW_CHUNKS.get(index, CHUNK)
+        chunks = [size] * (-(-len(tokens) // size))
+        got = teacher_forced_logits(float16_cache, tokens, chunks).argmax(-1)
+        expected = teacher_forced_logits(float32_cache, tokens, chunks).argmax(-1)
+        agree += int((got == expected).sum())
+        total += len(tokens)
+    print(f"fp16 KV cache teacher-forced top-1 agreement: {agree}/{total} = {agree / total:.4f}")  # -s shows it
+    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
 def test_greedy_generations_match() -> None:
     """Identical on at least 4 of 5 prompts x 32 tokens: a near-tie of the two argmaxes may flip one."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

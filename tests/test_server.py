@@ -24,7 +24,7 @@ from harness.server import ServerProcess, free_port
 API_KEY = "sk-titan-test"
 # Small pools keep warm-up (largest step shapes) short; 64 sequences cover the 32-stream test.
 SERVER_ARGS = ["--model", "default", "--api-key", API_KEY, "--max-num-batched-tokens", "256",
-               "--max-num-seqs", "64", "--kv-cache-memory", "0.25"]
+               "--max-num-seqs", "64", "--kv-cache-memory", "0.125"]
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,7 @@ def test_preemption_chunked_prefill_and_prefix_hits_in_the_middle_of_speculation
     prompts = copy_prompts(engines["off"]) * 3
     reference = [o.token_ids for o in engines["off"].generate(prompts, sampling)]
     # 4-token blocks, 24-token steps, ~46 blocks for 9 x (up to ~70 + 24) tokens.
-    llm = LLM(threads=1, block_size=4, max_num_batched_tokens=24, max_num_seqs=9, kv_cache_memory=0.008,
+    llm = LLM(threads=1, block_size=4, max_num_batched_tokens=24, max_num_seqs=9, kv_cache_memory=0.004,
               speculative_config={**NGRAM, "adaptive": False})
     outputs = llm.generate(prompts, sampling)
     engine = llm.engine

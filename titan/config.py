@@ -110,6 +110,9 @@ class ModelConfig:
         return config
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
@@ -118,8 +121,12 @@ class CacheConfig:
     kv_cache_memory_gib: float | None = option(
         None, "KV cache size in GiB (default: 1 GiB on CPU, 80%% of free memory on CUDA)", flag="kv_cache_memory")
     enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache element type (auto: float16 on CPU, the model's dtype on CUDA)", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:

@@ -38,12 +38,14 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         sampler: Sampler,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.sampler = sampler
         self.model = LlamaForCausalLM(model_config, device=self.device, dtype=dtype)
         self.model.load_weights(weights)
@@ -54,14 +56,15 @@ class ModelRunner:
         cache_shape = (self.null_slot + 1, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = []
         for _ in range(model_config.num_hidden_layers):
-            key_cache = torch.empty(cache_shape, device=self.device, dtype=dtype)
-            value_cache = torch.empty(cache_shape, device=self.device, dtype=dtype)
+            key_cache = torch.empty(cache_shape, device=self.device, dtype=self.kv_cache_dtype)
+            value_cache = torch.empty(cache_shape, device=self.device, dtype=self.kv_cache_dtype)
             key_cache[self.null_slot].zero_()
             value_cache[self.null_slot].zero_()
             self.kv_caches.append((key_cache, value_cache))
         self.model.bind_kv_cache(self.kv_caches)
-        # Decode rows and short chunks through the native paged attention kernel (CPU float32).
-        self.native_attention = native_attention_module(self.device, dtype) is not None
+        # Decode rows and short chunks through the native paged attention kernel (CPU float32, its cache
+        # float32 or float16).
+        self.native_attention = native_attention_module(self.device, dtype, self.kv_cache_dtype) is not None
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

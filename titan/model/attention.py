@@ -184,16 +184,20 @@ def paged_attention(
     if module is not None:
         module.write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)  # ~1 us; index_copy_ x2 ~5 us
     else:
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
+        key_cache.index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
+        value_cache.index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+    if key_cache.dtype != key.dtype:
+        # A narrower cache rounds K/V: a chunk attending to its own fresh rows sees them rounded too, so a
+        # prompt's numbers do not depend on how it was chunked or which kernel ran it.
+        key, value = key.to(key_cache.dtype).to(key.dtype), value.to(value_cache.dtype).to(value.dtype)
 
     outputs: list[torch.Tensor] = []
     for run in metadata.native_runs:
         outputs.append(native_paged_attention(module, query, key_cache, value_cache, run, scale))
     for bucket in metadata.decode_buckets:
         batch, context = bucket.row_end - bucket.row_start, bucket.max_context
-        keys = key_cache.index_select(0, bucket.slots).view(batch, context, num_kv_heads, head_dim)
-        values = value_cache.index_select(0, bucket.slots).view(batch, context, num_kv_heads, head_dim)
+        keys = key_cache.index_select(0, bucket.slots).to(query.dtype).view(batch, context, num_kv_heads, head_dim)
+        values = value_cache.index_select(0, bucket.slots).to(query.dtype).view(batch, context, num_kv_heads, head_dim)
         # With one query token per sequence, a kv head's query group can ride in the query-length
         # dimension: no kv expansion and one SDPA call for the whole bucket.
         grouped_query = query[bucket.row_start:bucket.row_end].reshape(batch, num_kv_heads, group, head_dim)
@@ -212,8 +216,8 @@ def paged_attention(
             keys = key[chunk.token_start : chunk.token_end]
             values = value[chunk.token_start : chunk.token_end]
         else:
-            keys = key_cache.index_select(0, chunk.context_slots)
-            values = value_cache.index_select(0, chunk.context_slots)
+            keys = key_cache.index_select(0, chunk.context_slots).to(query.dtype)
+            values = value_cache.index_select(0, chunk.context_slots).to(query.dtype)
         out = F.scaled_dot_product_attention(
             chunk_query,
             keys.transpose(0, 1).unsqueeze(0),

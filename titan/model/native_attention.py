@@ -35,9 +35,16 @@ class NativeRun:
     context_lens: torch.Tensor  # [B] int64, cache tokens of each sequence, its new rows included
 
 
-def native_attention_module(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    """The native module when it is loaded, has the kernel, and the tensors will be CPU float32."""
+NATIVE_CACHE_DTYPES = (torch.float32, torch.float16)
+
+
+def native_attention_module(device: torch.device, dtype: torch.dtype,
+                            cache_dtype: torch.dtype | None = None) -> ModuleType | None:
+    """The native module when it is loaded, has the kernel, the tensors will be CPU float32 and the KV cache
+    float32 or float16."""
     if device.type != "cpu" or dtype != torch.float32 or os.environ.get(NATIVE_ATTENTION_ENV, "1") == "0":
+        return None
+    if (cache_dtype or dtype) not in NATIVE_CACHE_DTYPES:
         return None
     module = native()
     return module if module is not None and hasattr(module, "paged_attention") else None

@@ -19,6 +19,7 @@ import torch
 from titan.kernels.build import native
 from titan.kernels.ops import FUSED_MAX_ROWS
 from titan.model.attention import AttentionMetadata
+from titan.model.native_attention import NATIVE_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from titan.model.llama import LlamaForCausalLM
@@ -73,8 +74,11 @@ class NativeDecoderStack:
             key_caches.append(attention.kv_cache[0])
             value_caches.append(attention.kv_cache[1])
         norms.append(model.norm.weight)
-        tensors = norms + key_caches + value_caches + [b for b in biases if b is not None]
+        tensors = norms + [b for b in biases if b is not None]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            return None
+        caches = key_caches + value_caches
+        if any(t.dtype not in NATIVE_CACHE_DTYPES or t.device.type != "cpu" for t in caches):
             return None
         first = model.layers[0].self_attn
         return cls(module, weights, types, interleaved, biases, norms, key_caches, value_caches, first.num_heads,

@@ -395,8 +395,8 @@ def metrics_factory(prefix: str = "titan") -> Callable[[LLMEngine], ServerMetric
     def build(engine: LLMEngine) -> ServerMetrics:
         cache = engine.config.cache
         cache_info = {"block_size": str(cache.block_size), "num_gpu_blocks": str(engine.num_blocks),
-                      "enable_prefix_caching": str(cache.enable_prefix_caching), "cache_dtype": str(engine.dtype),
-                      "device": str(engine.device)}
+                      "enable_prefix_caching": str(cache.enable_prefix_caching),
+                      "cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."), "device": str(engine.device)}
         metrics = ServerMetrics(engine.model_name, engine.max_model_len,
                                 engine.config.scheduler.max_num_batched_tokens, prefix, cache_info)
         engine.gc_monitor.listeners.append(metrics.record_gc_pause)

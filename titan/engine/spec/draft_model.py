@@ -56,7 +56,7 @@ class DraftModelDrafter:
         # As many tokens as the target's pool: every sequence the target holds can be drafted for.
         self.block_manager = BlockManager(engine.num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(files.config, files.weights, engine.num_blocks, block_size, engine.device,
-                                  engine.dtype, Sampler(engine.tokenizer.eos_token_ids))
+                                  engine.dtype, Sampler(engine.tokenizer.eos_token_ids), engine.kv_cache_dtype)
         self.shadows: dict[int, _Shadow] = {}
         # Seconds one draft token costs (a draft round's time over the sequences in it), averaged: the
         # planner weighs it against the expected gain before anything is drafted.

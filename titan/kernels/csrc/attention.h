@@ -16,9 +16,12 @@ struct AttentionJob {
     int32_t kv_heads;           // consecutive kv heads in this job
     int32_t head_dim;           // a multiple of 8
     float scale;
-    const float* key_cache;     // slot 0, first kv head of the job: key_cache[s * slot_stride + k * head_dim ..]
-    const float* value_cache;
-    int64_t slot_stride;        // kv heads * head_dim
+    // Slot 0, first kv head of the job: element s * slot_stride + k * head_dim .. of float32 or (with
+    // cache_half) IEEE fp16 values.
+    const void* key_cache;
+    const void* value_cache;
+    bool cache_half;
+    int64_t slot_stride;        // kv heads * head_dim, in elements
     const int64_t* block_table;  // physical block of each logical block of the sequence
     int64_t block_size;
     int64_t context;            // tokens in the cache for the sequence, its new rows included

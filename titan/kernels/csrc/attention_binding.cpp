@@ -37,6 +37,10 @@ const AttentionTable& attention_table(const std::string& isa) {
     return kAttentionGeneric;
 }
 
+bool cache_dtype_ok(const torch::Tensor& cache) {
+    return cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kFloat16;
+}
+
 torch::Tensor as_int64(const torch::Tensor& t, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kInt32 || t.scalar_type() == torch::kInt64),
                 name, " must be a CPU int32 or int64 tensor");
@@ -52,11 +56,14 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
     TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == torch::kFloat32 && query.dim() == 3 &&
                     query.stride(2) == 1,
                 "query must be a CPU float32 [T, H, D] tensor with unit inner stride");
-    TORCH_CHECK(key_cache.device().is_cpu() && key_cache.scalar_type() == torch::kFloat32 && key_cache.dim() == 3 &&
+    TORCH_CHECK(key_cache.device().is_cpu() && cache_dtype_ok(key_cache) && key_cache.dim() == 3 &&
                     key_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes() &&
-                    value_cache.scalar_type() == torch::kFloat32 && value_cache.is_contiguous() &&
+                    value_cache.scalar_type() == key_cache.scalar_type() && value_cache.is_contiguous() &&
                     value_cache.device().is_cpu(),
-                "key/value cache must be contiguous CPU float32 [slots, kv_heads, head_dim] tensors of one shape");
+                "key/value cache must be contiguous CPU float32 or float16 [slots, kv_heads, head_dim] tensors of one "
+                "shape and dtype");
+    const bool half = key_cache.scalar_type() == torch::kFloat16;
+    const int64_t element_bytes = half ? 2 : 4;
     const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
     const int64_t S = key_cache.size(0), Hkv = key_cache.size(1);
     TORCH_CHECK(key_cache.size(2) == D, "cache head_dim ", key_cache.size(2), " != query head_dim ", D);
@@ -147,8 +154,9 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
                 job.kv_heads = (int32_t)heads_per_job;
                 job.head_dim = (int32_t)D;
                 job.scale = (float)scale;
-                job.key_cache = key_cache.data_ptr<float>() + first_kv * D;
-                job.value_cache = value_cache.data_ptr<float>() + first_kv * D;
+                job.key_cache = (const char*)key_cache.data_ptr() + first_kv * D * element_bytes;
+                job.value_cache = (const char*)value_cache.data_ptr() + first_kv * D * element_bytes;
+                job.cache_half = half;
                 job.slot_stride = Hkv * D;
                 job.block_table = tp + b * max_blocks;
                 job.block_size = block_size;
@@ -225,10 +233,10 @@ void titan_write_kv(const torch::Tensor& key, const torch::Tensor& value, const 
                     key.stride(2) == 1 && value.stride(2) == 1,
                 "key/value must be CPU float32 [T, Hkv, D] tensors of one shape with unit inner stride");
     TORCH_CHECK(key_cache.dim() == 3 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                    key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == torch::kFloat32 &&
-                    value_cache.scalar_type() == torch::kFloat32 && key_cache.size(1) == key.size(1) &&
+                    key_cache.sizes() == value_cache.sizes() && cache_dtype_ok(key_cache) &&
+                    value_cache.scalar_type() == key_cache.scalar_type() && key_cache.size(1) == key.size(1) &&
                     key_cache.size(2) == key.size(2),
-                "key/value cache must be contiguous float32 [slots, Hkv, D] matching key/value");
+                "key/value cache must be contiguous float32 or float16 [slots, Hkv, D] matching key/value");
     const torch::Tensor slots = as_int64(slot_mapping, "slot_mapping");
     const int64_t T = key.size(0), Hkv = key.size(1), D = key.size(2), S = key_cache.size(0);
     TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T, "slot_mapping must be [T]");
@@ -236,6 +244,18 @@ void titan_write_kv(const torch::Tensor& key, const torch::Tensor& value, const 
     for (int64_t t = 0; t < T; t++) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot ", sp[t], " outside the cache");
     const float* kp = key.data_ptr<float>();
     const float* vp = value.data_ptr<float>();
+    if (key_cache.scalar_type() == torch::kFloat16) {
+        // Rounded to nearest even, as torch's float32 -> float16 conversion does.
+        at::Half* kc = key_cache.data_ptr<at::Half>();
+        at::Half* vc = value_cache.data_ptr<at::Half>();
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < Hkv; h++)
+                for (int64_t d = 0; d < D; d++) {
+                    kc[(sp[t] * Hkv + h) * D + d] = at::Half(kp[t * key.stride(0) + h * key.stride(1) + d]);
+                    vc[(sp[t] * Hkv + h) * D + d] = at::Half(vp[t * value.stride(0) + h * value.stride(1) + d]);
+                }
+        return;
+    }
     float* kc = key_cache.data_ptr<float>();
     float* vc = value_cache.data_ptr<float>();
     for (int64_t t = 0; t < T; t++) {

@@ -5,7 +5,7 @@
 
 #include <string>
 
-// query [T, H, D] float32 (unit inner stride), key/value cache [S, Hkv, D] float32 contiguous, block_tables
+// query [T, H, D] float32 (unit inner stride), key/value cache [S, Hkv, D] float32 or float16 contiguous, block_tables
 // [B, max_blocks] int32/int64, query_starts [B + 1], context_lens [B] -> [T, H * D]. Row i of sequence b
 // (n_b rows) sits at position context_lens[b] - n_b + i and attends to cache positions [0, that position].
 torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor& query, const torch::Tensor& key_cache,
