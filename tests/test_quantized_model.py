@@ -120,18 +120,24 @@ def teacher_forced_logits(runner: ModelRunner, tokens: list[int], chunks: list[i
     return torch.cat(logits)
 
 
-def test_teacher_forced_top1_agreement(runners: tuple[ModelRunner, ModelRunner, Tokenizer]) -> None:
-    quantized, reference, tokenizer = runners
+def top1_agreement(runner: ModelRunner, reference: ModelRunner, tokenizer: Tokenizer) -> tuple[int, int]:
+    """Positions of TEXTS where the two runners' argmaxes agree, and all positions, fed the same chunks."""
     agree = total = 0
     for index, text in enumerate(TEXTS):
         tokens = tokenizer.encode(text)[:2000]
         # Half the texts in wide chunks, half a few tokens per step (decode-sized: the fused kernels).
         size = NARROW_CHUNKS.get(index, CHUNK)
         chunks = [size] * (-(-len(tokens) // size))
-        got = teacher_forced_logits(quantized, tokens, chunks).argmax(-1)
+        got = teacher_forced_logits(runner, tokens, chunks).argmax(-1)
         expected = teacher_forced_logits(reference, tokens, chunks).argmax(-1)
         agree += int((got == expected).sum())
         total += len(tokens)
+    return agree, total
+
+
+def test_teacher_forced_top1_agreement(runners: tuple[ModelRunner, ModelRunner, Tokenizer]) -> None:
+    quantized, reference, tokenizer = runners
+    agree, total = top1_agreement(quantized, reference, tokenizer)
     print(f"teacher-forced top-1 agreement: {agree}/{total} = {agree / total:.4f}")  # shown with -s
     assert total >= 1000
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
@@ -144,15 +150,7 @@ def test_float16_kv_cache_top1_agreement(runners: tuple[ModelRunner, ModelRunner
     files = load_model_files("default", "auto")
     float16_cache = ModelRunner(files.config, files.weights, 160, BLOCK_SIZE, torch.device("cpu"), torch.float32,
                                 sampler=None, kv_cache_dtype=torch.float16)  # type: ignore[arg-type]
-    agree = total = 0
-    for index, text in enumerate(TEXTS):
-        tokens = tokenizer.encode(text)[:2000]
-        size = NARROW_CHUNKS.get(index, CHUNK)
-        chunks = [size] * (-(-len(tokens) // size))
-        got = teacher_forced_logits(float16_cache, tokens, chunks).argmax(-1)
-        expected = teacher_forced_logits(float32_cache, tokens, chunks).argmax(-1)
-        agree += int((got == expected).sum())
-        total += len(tokens)
+    agree, total = top1_agreement(float16_cache, float32_cache, tokenizer)
     print(f"fp16 KV cache teacher-forced top-1 agreement: {agree}/{total} = {agree / total:.4f}")  # -s shows it
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
 
