@@ -186,10 +186,6 @@ def paged_attention(
     else:
         key_cache.index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
         value_cache.index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
-    if key_cache.dtype != key.dtype:
-        # A narrower cache rounds K/V: a chunk attending to its own fresh rows sees them rounded too, so a
-        # prompt's numbers do not depend on how it was chunked or which kernel ran it.
-        key, value = key.to(key_cache.dtype).to(key.dtype), value.to(value_cache.dtype).to(value.dtype)
 
     outputs: list[torch.Tensor] = []
     for run in metadata.native_runs:
@@ -213,8 +209,10 @@ def paged_attention(
     for chunk in metadata.prefills:
         chunk_query = query[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)
         if chunk.context_slots is None:
-            keys = key[chunk.token_start : chunk.token_end]
-            values = value[chunk.token_start : chunk.token_end]
+            # Its own fresh rows, rounded as the cache holds them: a prompt's numbers do not depend on how it
+            # was chunked or which kernel ran it (a no-op with a cache of the model's dtype).
+            keys = key[chunk.token_start : chunk.token_end].to(key_cache.dtype).to(query.dtype)
+            values = value[chunk.token_start : chunk.token_end].to(value_cache.dtype).to(query.dtype)
         else:
             keys = key_cache.index_select(0, chunk.context_slots).to(query.dtype)
             values = value_cache.index_select(0, chunk.context_slots).to(query.dtype)
