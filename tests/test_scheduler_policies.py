@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import asdict
 
@@ -11,9 +12,9 @@ import pytest
 
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
-from titan.engine.cost_model import StepCostModel, StepShape
+from titan.engine.cost_model import StepCostModel, StepShape, shape_of
 from titan.engine.prefill_budget import QueuedPrefill, ttft_met, ttft_target_seconds
-from titan.engine.prefill_demand import MAX_TRACKED_ARRIVALS, PrefillDemand, paced_chunk
+from titan.engine.prefill_demand import MAX_TRACKED_ARRIVALS, PrefillDemand, TypicalDecodes, paced_chunk
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -433,25 +434,32 @@ def test_slo_policy_drains_a_backlog_at_the_excursion_bound_until_half_the_targe
 
 
 def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
-    """One queued 300-token prompt (steady traffic) with a 7 s TTFT target: capped it is done in 6 s, so
-    the step stays capped, and the decodes keep their gaps."""
-    scheduler = budget_scheduler(ttft_target_ms=7_000)
+    """One queued 300-token prompt (steady traffic) with an 8 s TTFT target: capped it is done in 6 s, within
+    the 6.4 s a drain would aim for, so the step stays capped, and the decodes keep their gaps. With a 7 s
+    target the cap would still be on time, but past the drain's 5.6 s: the drain starts now, with a step just
+    past the cap (14 tokens, 300 / 14 x 0.26 s = 5.57 s) rather than later with a jump."""
+    scheduler = budget_scheduler(ttft_target_ms=8_000)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 1, 300)
     output = step(scheduler)
     assert output.budget.reason == "itl_cap" and output.budget.ttft_met_capped == 1
     assert output.num_batched_tokens == 2 + 12
     assert [seq.itl_excursions for seq in decoders] == [0, 0]
+    early = budget_scheduler(ttft_target_ms=7_000)
+    with_two_decodes(early)
+    queue_now(early, 1, 300)
+    budget = step(early).budget
+    assert (budget.reason, budget.ttft_met_capped, budget.prefill_tokens) == ("backlog", 1, 14)
 
 
-@pytest.mark.parametrize(("prompt", "chunk"), [(202, 5), (602, 12)])
+@pytest.mark.parametrize(("prompt", "chunk"), [(202, 5), (602, 24)])
 def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: int) -> None:
     """ITL target 0.15 s: a capped step holds 3 prefill tokens (0.12 + 0.03 s), 20 tokens/s. 210 prompt tokens
     arrived just now, at the start of a busy spell: over a quarter of the 40 s window, 21 tokens/s, 26.25 with
     the headroom. The one queued prompt is on time at the cap, but the cap is slower than the arrivals, so it
     widens to the smallest chunk that keeps pace: b >= 26.25 (0.12 + 0.01 b), 5 tokens. With 610 tokens (76.25
-    tokens/s with the headroom) pacing would need 39 tokens, a 0.51 s step; it stops at twice the decodes' own
-    step, 0.24 s and 12 tokens, and the queue waits within its 40 s target."""
+    tokens/s with the headroom) pacing would need 39 tokens, a 0.51 s step; it stops at three times the
+    decodes' own step, 0.36 s and 24 tokens, and the queue waits within its 40 s target."""
     scheduler = budget_scheduler(ttft_target_ms=40_000, demand_window_s=40.0, itl_slo_ms=150.0)
     decoders = with_two_decodes(scheduler)  # 2 x 4 prompt tokens
     queue_now(scheduler, 1, prompt)
@@ -469,6 +477,80 @@ def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: 
     queue_now(unpaced, 1, prompt)
     unpaced_budget = step(unpaced).budget
     assert (unpaced_budget.reason, unpaced_budget.prefill_tokens) == ("itl_cap", 3)
+
+
+def test_paced_steps_take_one_duration_whatever_their_width() -> None:
+    """Pacing sizes a step duration at the typical decodes, not a chunk per step. Typical here are 2.5
+    decodes (0.125 s alone); the 602-token arrivals pace at three times that, 0.375 s. A step of one decode
+    then takes a bigger chunk than a step of two, one of four a smaller, and all three steps take the same
+    0.375 s to the nearest token (0.01 s; sized at three times their own decodes, they would take 0.33, 0.36
+    and 0.42 s)."""
+    model = fixed_cost_model(0.1, 0.01)
+    chunks = []
+    for width in (1, 2, 4):
+        scheduler = budget_scheduler(ttft_target_ms=40_000, demand_window_s=40.0, itl_slo_ms=150.0)
+        scheduler.typical_decodes.observe(StepShape(2.5, 2.5, 0.0), time.monotonic())
+        for _ in range(width):
+            scheduler.add(sequence(4, max_tokens=500))
+        assert step(scheduler).budget.reason == "no_decodes"
+        queue_now(scheduler, 1, 602 - 4 * width)
+        output = step(scheduler)
+        assert output.budget.reason == "paced"
+        assert 0.37 <= model.predict(shape_of(output.scheduled)) <= 0.38
+        chunks.append(output.budget.prefill_tokens)
+    assert chunks[0] > chunks[1] > chunks[2]
+
+
+def test_typical_decodes_average_recent_steps_by_time() -> None:
+    typical = TypicalDecodes(time_constant_seconds=1.0)
+    assert typical.shape is None
+    assert typical.observe(StepShape(2, 2, 600.0), now=10.0) == StepShape(2, 2, 600.0)  # the first is typical
+    shape = typical.observe(StepShape(6, 6, 1800.0), now=10.0 + math.log(4 / 3))  # a quarter of the way
+    assert (shape.num_tokens, shape.num_sequences, shape.attention_pairs) == pytest.approx((3.0, 3.0, 900.0))
+    for step_index in range(1, 11):  # ten steps in 10 ms hardly move it
+        shape = typical.observe(StepShape(40, 40, 12000.0), now=10.3 + step_index / 1000)
+    assert shape.num_sequences < 4.5
+    shape = typical.observe(StepShape(1, 1, 300.0), now=30.0)  # after an idle spell the new traffic is typical
+    assert shape.num_sequences == pytest.approx(1.0)
+
+
+def test_slo_policy_bounds_a_step_without_decodes_once_decodes_were_seen() -> None:
+    """Nobody is mid-stream, but a request arriving during the step waits for all of it: once the scheduler
+    has seen decodes (two, 0.12 s alone, ITL target 0.15 s), a long prompt's chunk stays within the excursion
+    bound, 4 x 0.15 s = 0.6 s: 50 tokens at 0.01 s each past the step's 0.1 s."""
+    scheduler = budget_scheduler(ttft_target_ms=40_000, itl_slo_ms=150.0)
+    decoders = with_two_decodes(scheduler)
+    assert step(scheduler).budget.reason == "itl_cap"
+    for seq in decoders:
+        scheduler.abort(seq.seq_id)
+    scheduler.add(sequence(400))
+    output = step(scheduler)
+    assert output.budget.reason == "no_decodes" and output.budget.step_target_ms == pytest.approx(600.0)
+    assert output.num_batched_tokens == 50
+    # With excursions off there is no bound: the whole budget, as before any decode was seen.
+    unbounded = budget_scheduler(ttft_target_ms=40_000, itl_slo_ms=150.0, max_itl_excursion=1.0)
+    for seq in with_two_decodes(unbounded):
+        unbounded.abort(seq.seq_id)
+    unbounded.add(sequence(400))
+    assert step(unbounded).num_batched_tokens == 256
+
+
+def test_a_drain_keeps_pace_with_the_arrivals_without_pacing_headroom() -> None:
+    """610 prompt tokens arrived, 61 tokens/s over a quarter of the 40 s window. A request already past its
+    TTFT target makes the queue a backlog that no chunk gets on time, so the drain takes its widest step, the
+    longest of the excursion bound (1.5 x 0.15 s), the paced step (0.36 s: three times the two decodes' 0.12 s)
+    and the step that keeps pace with the arrivals (61 tokens/s: 19 tokens, 0.31 s): 0.36 s. With pacing's
+    1.25x headroom that last one would be 39 tokens, 0.51 s, and one long prompt in the window made every
+    drain step that long."""
+    scheduler = budget_scheduler(ttft_target_ms=40_000, max_itl_excursion=1.5, demand_window_s=40.0,
+                                 itl_slo_ms=150.0)
+    with_two_decodes(scheduler)
+    (late,) = queue_now(scheduler, 1, 602)
+    late.arrival_time -= 50.0
+    budget = step(scheduler).budget
+    assert budget.demand_tokens_per_s == pytest.approx(61.0)
+    assert (budget.reason, budget.ttft_met) == ("backlog", 0)
+    assert budget.step_target_ms == pytest.approx(360.0)
 
 
 def test_slo_policy_drains_a_small_backlog_with_a_small_excursion() -> None:
@@ -514,6 +596,14 @@ def test_prefill_demand_counts_uncached_tokens_within_its_window() -> None:
     assert demand.rate(now=110.0) == pytest.approx(350 / 10.0)
     assert demand.rate(now=112.0) == pytest.approx(50 / 7.0)  # the first arrival left the window
     assert demand.rate(now=200.0) == 0.0
+    # A prompt behind a hot 512-token prefix counts its suffix from its arrival; admitted with the same hit
+    # nothing changes, with one more block cached (528) that block is left out too.
+    demand.record(3, 600, now=150.0, num_cached=512)
+    assert demand.rate(now=160.0) == pytest.approx(88 / 10.0)
+    demand.record(4, 600, now=150.0, num_cached=512)
+    demand.discount(3, num_cached=512)
+    demand.discount(4, num_cached=528)
+    assert demand.rate(now=160.0) == pytest.approx((88 + 72) / 10.0)
     for seq_id in range(2 * MAX_TRACKED_ARRIVALS):  # bounded whatever the arrival rate
         demand.record(seq_id, 1, now=300.0)
     assert demand.rate(now=310.0) == pytest.approx(MAX_TRACKED_ARRIVALS / 10.0)

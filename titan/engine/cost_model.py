@@ -30,8 +30,10 @@ HISTORY_KEPT = 0.01  # weight left on the old observations when the fit is rebui
 
 @dataclass(frozen=True)
 class StepShape:
-    num_tokens: int = 0
-    num_sequences: int = 0
+    """What a step computes. Counts are floats: an average of steps' shapes (a typical step) is one too."""
+
+    num_tokens: float = 0
+    num_sequences: float = 0
     attention_pairs: float = 0.0  # Σ new tokens × the context each attends to
 
     def plus(self, num_new_tokens: int, start_position: int) -> StepShape:

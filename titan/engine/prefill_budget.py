@@ -12,23 +12,32 @@ carries decodes:
   prefix-cache hit left out, so a long prompt may take longer than a short one), X the excursion bound
   (`max_itl_excursion`).
 * Capped, a step holds b(T) prefill tokens: the largest chunk that keeps the predicted step (decodes +
-  chunk) within T, or `min_prefill_chunk` if that is more; or, when more, the smallest chunk that keeps pace
-  with the prompt tokens arriving (titan.engine.prefill_demand: steady traffic then never builds a backlog,
-  the prefill is spread evenly over the steps instead of drained in long ones), but never a step longer than
-  MAX_PACED_FACTOR x the decodes' own (the arrival rate is measured over seconds and a Poisson cluster of
-  arrivals reads as a flood; what pacing cannot keep up with waits in the queue). The queue (running
+  chunk) within T, or `min_prefill_chunk` if that is more; or, when more, the chunk that fills the paced
+  step duration P. P is one duration for every step: the shortest with which a step of the typical recent
+  decodes (titan.engine.prefill_demand.TypicalDecodes) keeps pace with the prompt tokens arriving (steady
+  traffic then never builds a backlog, the prefill is spread evenly over the steps instead of drained in
+  long ones), but never longer than MAX_PACED_FACTOR x those decodes' own (the arrival rate is measured over
+  seconds and a Poisson cluster of arrivals reads as a flood; what pacing cannot keep up with waits in the
+  queue). A step of fewer decodes than the typical takes a bigger chunk, one of more a smaller: sized per
+  step at a multiple of its own decodes, the token gap followed the batch width, and the widths of 4-5
+  were the P99 where 1-2 were the P50. The queue (running
   prompts still prefilling, then the waiting ones, in the policy's order) is on time if every request i is
   predicted to get its first token within τᵢ of its arrival when every step from now on computes b(T) of
   them: i finishes in step ⌈(tokens of i and of those ahead of it) / b(T)⌉, each step taking the predicted
   duration of decodes + b(T).
-* On time: the step is capped at T (or paced). Otherwise the queue is a backlog — some first token is late
-  at the cap — and the step takes the smallest chunk with which every queued first token is predicted
-  within BACKLOG_SHARE of its target, up to X·T (or the whole token budget, if that is less; never slower
+* On time, with every first token predicted within BACKLOG_SHARE of its target: the step is capped at T
+  (or paced). Otherwise the queue is a backlog (some first token is late, or about to be, at the cap) and
+  the step takes the smallest chunk with which every queued first token is predicted within BACKLOG_SHARE
+  of its target, up to X·T (or the whole token budget, if that is less; never slower
   than the arrivals, so under an overload the whole budget, as fcfs). A small backlog so costs a small
   excursion, not the bound's. The drain goes on until the queue is on time at the cap with half of every
   target to spare (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave
   the backlog's last requests right at their TTFT target, and the queue hovering there would switch between
   cap and drain step after step. Under a sustained overload the drain never ends, as fcfs never caps.
+
+A step with no decodes has no token gap to protect and takes the whole budget, but once decodes have been
+seen it stays within X x the ITL target of the typical decodes (the scheduler's `_idle_step_bound`): a
+request arriving while it runs waits for all of it.
 """
 
 from __future__ import annotations
@@ -52,10 +61,12 @@ DRAIN_EXIT_SHARE = 0.5
 # A drain step is the smallest that gets every queued first token within this share of its target: the
 # cost model's predictions run ~1.2x short at P90, so a queue planned exactly on time would be late.
 BACKLOG_SHARE = 0.8
-# Pacing widens a step to at most this many times its decodes' own predicted duration. The median token gap
-# is at least a decode-only step, so such a step is never a tail by the ITL P99 <= 2x P50 rule; prompts
-# arriving faster than these steps prefill queue up, on time within their TTFT targets or drained as a backlog.
-MAX_PACED_FACTOR = 2.0
+# Pacing widens a step to at most this many times the typical decodes' own predicted duration. Prompts
+# arriving faster than these steps prefill queue up, on time within their TTFT targets or drained as a
+# backlog. 2 kept paced steps within the ITL rule's 2x of a decode-only step, but on this machine's steady
+# traffic at 70% load (prompt rows ~70% of all rows) such steps fell behind the arrivals every few seconds,
+# and the drains were the tail (benchmarks/default_policy.py, README).
+MAX_PACED_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -111,11 +122,13 @@ def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: flo
 
 def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: int, itl_target: float,
                   queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
-                  draining: bool = False, min_chunk: int = 1, demand: float = 0.0) -> BudgetDecision:
+                  draining: bool = False, min_chunk: int = 1, demand: float = 0.0,
+                  typical: StepShape | None = None) -> BudgetDecision:
     """The module docstring's rule for a step whose decodes have shape `decodes` and `token_budget` tokens
     left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: the last step drained
     a backlog; `min_chunk`: prefill tokens a step computes even past the cap; `demand`: prompt tokens
-    arriving per second, which the cap keeps pace with."""
+    arriving per second, which the cap keeps pace with; `typical`: the decodes of a typical recent step
+    (titan.engine.prefill_demand.TypicalDecodes), which pacing sizes its step duration at (default: these)."""
 
     def tokens_within(target: float) -> int:
         return cost_model.max_chunk(decodes, 0, token_budget, target)
@@ -126,10 +139,17 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     ms = 1000.0
     capped = tokens_within(itl_target)
     pacing = bool(queue) and max_excursion > 1.0
-    paced = paced_chunk(cost_model, decodes, token_budget, DEMAND_HEADROOM * demand) if pacing else 0
+    typical = decodes if typical is None else typical
+    paced = paced_chunk(cost_model, typical, token_budget, DEMAND_HEADROOM * demand) if pacing else 0
     reason, cap_target = ITL_CAP, itl_target
-    # Pacing widens the cap only so far: past that the arrivals build a queue, which the TTFT targets absorb.
-    paced_within = min(paced, tokens_within(MAX_PACED_FACTOR * cost_model.predict(decodes)))
+    # One step duration for every step, sized at the typical decodes: a narrow step takes a bigger chunk, a
+    # wide one a smaller, so the token gap does not follow the width. Pacing widens the cap only so far:
+    # past that the arrivals build a queue, which the TTFT targets absorb.
+    typical_decodes = cost_model.predict(typical)
+    pace = min(cost_model.predict(typical.plus(paced, 0)), MAX_PACED_FACTOR * typical_decodes) if paced else 0.0
+    # To the nearest token, not the last one within: a token is a fifth of a narrow step here, and always
+    # rounding down would pace a step of one decode at half the arrivals' rate.
+    paced_within = tokens_within(pace + 0.5 * cost_model.marginal_token_cost(0)) if paced else 0
     if paced_within > capped:
         reason, capped = PACED, paced_within
         cap_target = step_of(paced_within)
@@ -137,22 +157,27 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     floor = max(capped, min(min_chunk, token_budget))
     floor_step = step_of(floor)
     met_capped = ttft_met(queue, floor, floor_step)
-    # A drain ends once the queue is on time at the cap with half its targets to spare, not just on time:
-    # otherwise a backlog hovers at its targets, switching between cap and drain step after step.
-    on_time = met_capped == len(queue) and (
-        not draining or ttft_met(queue, floor, floor_step, share=DRAIN_EXIT_SHARE) == len(queue))
+    # A drain starts once the cap would get a queued first token later than the drain aims for (BACKLOG_SHARE
+    # of its target): found then, the smallest chunk that is on time is a little past the cap; found only
+    # when the cap is late, it is a jump (a 130 ms step among 16 ms ones). It ends once the queue is on time
+    # at the cap with half its targets to spare: otherwise a backlog hovers at its targets, switching between
+    # cap and drain step after step.
+    share = DRAIN_EXIT_SHARE if draining else BACKLOG_SHARE
+    on_time = ttft_met(queue, floor, floor_step, share=share) == len(queue)
     if not queue or token_budget <= capped or max_excursion <= 1.0 or on_time:
         return BudgetDecision(reason, cap_target * ms, itl_target * ms, first_target, capped, len(queue),
                               met_capped, met_capped, 0, demand)
     # A drain is never slower than the arrivals (the whole budget under an overload, as fcfs), and within
     # that bound takes the smallest step that gets the queue on time, so a small backlog costs a small
-    # excursion rather than the bound's.
-    widest = min(max(max_excursion * itl_target, cap_target, step_of(paced)), step_of(token_budget))
+    # excursion rather than the bound's. The arrivals themselves, without pacing's headroom: with it, one long
+    # prompt in the window read as an overload and a drain step took the whole budget (~1 s).
+    keeping_up = paced_chunk(cost_model, decodes, token_budget, demand)
+    widest = min(max(max_excursion * itl_target, cap_target, step_of(keeping_up)), step_of(token_budget))
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(cost_model, decodes, queue, floor, widest_tokens)
     bound = widest if tokens is None else max(step_of(tokens), cap_target)
     tokens = widest_tokens if tokens is None else tokens
-    itl_cost = fresh_decodes if bound > itl_target else 0
+    itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
                           ttft_met(queue, tokens, step_of(tokens)), itl_cost, demand)
 

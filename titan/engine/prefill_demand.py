@@ -11,6 +11,7 @@ fcfs's do.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
 DEMAND_HEADROOM = 1.25
 MIN_SPAN_SHARE = 0.25  # the shortest span a rate is measured over, as a share of the window
 MAX_TRACKED_ARRIVALS = 4096  # bounds the memory whatever the arrival rate
+# The typical decodes average the steps of about this many recent seconds (exponentially weighted): long
+# enough that a few wide or narrow steps do not move the pace, short enough to follow the load.
+TYPICAL_DECODES_SECONDS = 5.0
 
 
 @dataclass(slots=True)
@@ -28,6 +32,7 @@ class _Arrival:
     time: float
     seq_id: int
     tokens: int  # still counted: the prompt less what the prefix cache held
+    cached: int  # prompt tokens the prefix cache held when it arrived (already left out)
 
 
 class PrefillDemand:
@@ -39,20 +44,24 @@ class PrefillDemand:
         self._by_seq: dict[int, _Arrival] = {}
         self._tokens = 0
 
-    def record(self, seq_id: int, num_tokens: int, now: float) -> None:
-        """A prompt of `num_tokens` arrived."""
+    def record(self, seq_id: int, num_tokens: int, now: float, num_cached: int = 0) -> None:
+        """A prompt of `num_tokens` arrived, `num_cached` of them in the prefix cache already: a prompt behind a
+        hot system prompt is its suffix's work, also while it waits (counted whole, a few waiting ones read
+        as a flood and paced the steps far past their token-gap target)."""
         if len(self._arrivals) >= MAX_TRACKED_ARRIVALS:
             self._drop_oldest()
-        entry = _Arrival(now, seq_id, num_tokens)
+        num_cached = min(num_cached, num_tokens)
+        entry = _Arrival(now, seq_id, num_tokens - num_cached, num_cached)
         self._arrivals.append(entry)
         self._by_seq[seq_id] = entry
-        self._tokens += num_tokens
+        self._tokens += entry.tokens
 
     def discount(self, seq_id: int, num_cached: int) -> None:
-        """`num_cached` of a recorded prompt's tokens were found in the prefix cache: no work to pace."""
+        """When it was admitted `num_cached` of a recorded prompt's tokens were in the prefix cache: no work to
+        pace past what it arrived with."""
         entry = self._by_seq.pop(seq_id, None)
         if entry is not None:
-            taken = min(entry.tokens, num_cached)
+            taken = min(entry.tokens, max(num_cached - entry.cached, 0))
             entry.tokens -= taken
             self._tokens -= taken
 
@@ -72,6 +81,38 @@ class PrefillDemand:
         entry = self._arrivals.popleft()
         self._tokens -= entry.tokens
         self._by_seq.pop(entry.seq_id, None)
+
+
+class TypicalDecodes:
+    """The decodes of a typical recent step: their shapes averaged, exponentially weighted by time.
+
+    Pacing sizes one step duration for every step from it rather than a chunk per step: a step of narrow
+    decodes takes a bigger chunk, one of wide decodes a smaller, and the token gap is the same whatever
+    the width. The average keeps pace because a step's duration is linear in its shape. It is weighted by
+    time, not by steps: after an overload's wide, long steps, or an idle spell, it follows the traffic
+    within seconds rather than after hundreds of steps.
+    """
+
+    def __init__(self, time_constant_seconds: float = TYPICAL_DECODES_SECONDS) -> None:
+        self.time_constant = time_constant_seconds
+        self.shape: StepShape | None = None
+        self._last: float | None = None
+
+    def observe(self, decodes: StepShape, now: float) -> StepShape:
+        """Fold in one step's decodes, scheduled at `now`; returns the typical shape now."""
+        if self.shape is None or self._last is None:
+            self.shape = decodes
+        else:
+            weight = 1.0 - math.exp(-max(now - self._last, 0.0) / self.time_constant)
+
+            def mix(old: float, new: float) -> float:
+                return old + weight * (new - old)
+
+            self.shape = StepShape(mix(self.shape.num_tokens, decodes.num_tokens),
+                                   mix(self.shape.num_sequences, decodes.num_sequences),
+                                   mix(self.shape.attention_pairs, decodes.attention_pairs))
+        self._last = now
+        return self.shape
 
 
 def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int, tokens_per_second: float) -> int:

@@ -24,7 +24,7 @@ from titan.engine.prefill_budget import (
     choose_budget,
     ttft_target_seconds,
 )
-from titan.engine.prefill_demand import PrefillDemand
+from titan.engine.prefill_demand import PrefillDemand, TypicalDecodes
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence, SequenceStatus
 from titan.engine.spec.planner import SpeculationPlanner
@@ -94,6 +94,7 @@ class Scheduler:
         self.draining = False  # slo: the last step drained a backlog (titan.engine.prefill_budget)
         window = config.prefill_demand_window_s
         self.demand = PrefillDemand(window) if config.policy == "slo" and window > 0 else None
+        self.typical_decodes = TypicalDecodes()
 
     def _rank(self, seq: Sequence) -> tuple[float, float, int]:
         """Order of running sequences (victims come from the end). Lower priority value runs first, as
@@ -136,7 +137,8 @@ class Scheduler:
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
         if self.demand is not None:
-            self.demand.record(seq.seq_id, seq.num_prompt_tokens, time.monotonic())
+            self.demand.record(seq.seq_id, seq.num_prompt_tokens, time.monotonic(),
+                               seq.num_prompt_tokens - self._prefill_work(seq)[0])
 
     @property
     def has_unfinished(self) -> bool:
@@ -223,7 +225,9 @@ class Scheduler:
             return
         itl_target = step_target_seconds(config.itl_slo_ms, model, step.decode_shape)
         if not step.has_decode or itl_target is None:
-            step.output.budget = BudgetDecision(NO_DECODES, None, None, None, None)
+            step.target = self._idle_step_bound(model)
+            step.output.budget = BudgetDecision(NO_DECODES, None if step.target is None else step.target * 1000.0,
+                                                None, None, None)
             return
         queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._prefill_key(seq, now))
         queued = []
@@ -235,13 +239,25 @@ class Scheduler:
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk,
-                                 self.demand.rate(now) if self.demand is not None else 0.0)
+                                 self.demand.rate(now) if self.demand is not None else 0.0,
+                                 self.typical_decodes.observe(step.decode_shape, now))
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
                 seq.itl_excursions += 1
         step.output.budget = decision
         step.target = decision.target_seconds
+
+    def _idle_step_bound(self, model: StepCostModel) -> float | None:
+        """A step with nobody mid-stream has no token gap to protect, but a request arriving while it runs
+        waits for it: a long prompt's whole-budget chunk (~1 s here) makes a short prompt that arrives just
+        after it late before it is even scheduled. Such a step is bounded as a backlog drain at the typical
+        decodes is (None: no decodes seen yet, or no excursions allowed)."""
+        typical = self.typical_decodes.shape
+        if typical is None or self.config.max_itl_excursion <= 1.0:
+            return None
+        target = step_target_seconds(self.config.itl_slo_ms, model, typical)
+        return None if target is None else self.config.max_itl_excursion * target
 
     def _prefill_work(self, seq: Sequence) -> tuple[int, int]:
         """Prompt tokens `seq` still has to compute, and all it computes for its first token. A waiting
@@ -271,9 +287,8 @@ class Scheduler:
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
         """Tokens to compute for `seq` this step: its remainder, within the budget and the step's target."""
         num_new = min(seq.num_tokens - start, step.budget)
-        # Only a step that carries decodes has an inter-token latency to protect; one without any would
-        # just delay first tokens by chunking.
-        if num_new <= 1 or step.target is None or self.cost_model is None or not step.has_decode:
+        # No target: no model yet, or fcfs/priority, or an idle step with no bound (_idle_step_bound).
+        if num_new <= 1 or step.target is None or self.cost_model is None:
             return num_new
         capped = self.cost_model.max_chunk(step.shape, start, num_new, step.target)
         # Prefills still progress: the first prefill of every step gets at least the minimum chunk.
