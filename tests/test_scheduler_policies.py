@@ -467,6 +467,7 @@ def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: 
     budget = output.budget
     assert (budget.reason, budget.prefill_tokens, budget.ttft_met_capped) == ("paced", chunk, 1)
     assert budget.demand_tokens_per_s == pytest.approx((prompt + 8) / 10.0)
+    assert budget.typical_decodes == 2 and budget.paced_step_ms == pytest.approx(min(120.0 + 10.0 * chunk, 360.0))
     assert budget.step_target_ms == pytest.approx(120.0 + 10.0 * chunk)
     assert budget.itl_target_ms == pytest.approx(150.0)
     assert output.num_batched_tokens == 2 + chunk

@@ -92,6 +92,8 @@ class BudgetDecision:
     ttft_met: int = 0  # ... at the chosen bound
     itl_cost: int = 0  # decodes whose first gap over the ITL target this step is
     demand_tokens_per_s: float = 0.0  # prompt tokens arriving per second (titan.engine.prefill_demand)
+    paced_step_ms: float | None = None  # the one duration paced steps take (None: no pacing this step)
+    typical_decodes: float = 0.0  # decodes in a typical recent step, which the paced duration is sized at
 
     @property
     def target_seconds(self) -> float | None:
@@ -150,6 +152,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     # To the nearest token, not the last one within: a token is a fifth of a narrow step here, and always
     # rounding down would pace a step of one decode at half the arrivals' rate.
     paced_within = tokens_within(pace + 0.5 * cost_model.marginal_token_cost(0)) if paced else 0
+    paced_ms = pace * ms if paced else None
     if paced_within > capped:
         reason, capped = PACED, paced_within
         cap_target = step_of(paced_within)
@@ -166,7 +169,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     on_time = ttft_met(queue, floor, floor_step, share=share) == len(queue)
     if not queue or token_budget <= capped or max_excursion <= 1.0 or on_time:
         return BudgetDecision(reason, cap_target * ms, itl_target * ms, first_target, capped, len(queue),
-                              met_capped, met_capped, 0, demand)
+                              met_capped, met_capped, 0, demand, paced_ms, typical.num_sequences)
     # A drain is never slower than the arrivals (the whole budget under an overload, as fcfs), and within
     # that bound takes the smallest step that gets the queue on time, so a small backlog costs a small
     # excursion rather than the bound's. The arrivals themselves, without pacing's headroom: with it, one long
@@ -179,7 +182,8 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     tokens = widest_tokens if tokens is None else tokens
     itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
-                          ttft_met(queue, tokens, step_of(tokens)), itl_cost, demand)
+                          ttft_met(queue, tokens, step_of(tokens)), itl_cost, demand, paced_ms,
+                          typical.num_sequences)
 
 
 def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[QueuedPrefill], low: int,
