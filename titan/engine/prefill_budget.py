@@ -147,8 +147,8 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     # One step duration for every step, sized at the typical decodes: a narrow step takes a bigger chunk, a
     # wide one a smaller, so the token gap does not follow the width. Pacing widens the cap only so far:
     # past that the arrivals build a queue, which the TTFT targets absorb.
-    typical_decodes = cost_model.predict(typical)
-    pace = min(cost_model.predict(typical.plus(paced, 0)), MAX_PACED_FACTOR * typical_decodes) if paced else 0.0
+    pace = min(cost_model.predict(typical.plus(paced, 0)),
+               MAX_PACED_FACTOR * cost_model.predict(typical)) if paced else 0.0
     # To the nearest token, not the last one within: a token is a fifth of a narrow step here, and always
     # rounding down would pace a step of one decode at half the arrivals' rate.
     paced_within = tokens_within(pace + 0.5 * cost_model.marginal_token_cost(0)) if paced else 0
