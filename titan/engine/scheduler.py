@@ -137,8 +137,7 @@ class Scheduler:
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
         if self.demand is not None:
-            self.demand.record(seq.seq_id, seq.num_prompt_tokens, time.monotonic(),
-                               seq.num_prompt_tokens - self._prefill_work(seq)[0])
+            self.demand.record(seq.seq_id, seq.num_prompt_tokens, time.monotonic(), self._cache_hit(seq))
 
     @property
     def has_unfinished(self) -> bool:
@@ -237,10 +236,10 @@ class Scheduler:
                 config.ttft_target_ms, model, prompt_work, AUTO_TTFT_FACTOR)))
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
+        typical = self.typical_decodes.observe(step.decode_shape, now)
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk,
-                                 self.demand.rate(now) if self.demand is not None else 0.0,
-                                 self.typical_decodes.observe(step.decode_shape, now))
+                                 self.demand.rate(now) if self.demand is not None else 0.0, typical)
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
@@ -265,10 +264,15 @@ class Scheduler:
         so its work and its auto TTFT target are the suffix's, not the whole prompt's."""
         if seq.status is SequenceStatus.RUNNING:
             return seq.num_tokens - seq.num_computed_tokens, seq.num_tokens - seq.num_cached_tokens
-        cached = 0
-        if seq.sampling_params.prompt_logprobs is None:
-            cached = len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
+        cached = self._cache_hit(seq)
         return seq.num_tokens - cached, seq.num_tokens - cached
+
+    def _cache_hit(self, seq: Sequence) -> int:
+        """Tokens of a waiting sequence the prefix cache holds now (none for one that wants its prompt's
+        logprobs: it computes every position)."""
+        if seq.sampling_params.prompt_logprobs is not None:
+            return 0
+        return len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
 
     def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, float, int, float, int]:
         """slo's prefill order: priority (aged), then the earliest slack deadline, arrival + AUTO_TTFT_FACTOR x
