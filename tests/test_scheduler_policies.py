@@ -13,7 +13,7 @@ import pytest
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape, shape_of
-from titan.engine.prefill_budget import QueuedPrefill, ttft_met, ttft_target_seconds
+from titan.engine.prefill_budget import QueuedPrefill, choose_budget, queued_start, ttft_met, ttft_target_seconds
 from titan.engine.prefill_demand import MAX_TRACKED_ARRIVALS, PrefillDemand, TypicalDecodes, paced_chunk
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
@@ -584,6 +584,62 @@ def test_auto_ttft_target_leaves_out_the_prefix_cache_hit() -> None:
     budget = step(scheduler).budget
     assert budget.queued == 1 and budget.ttft_target_ms == pytest.approx(1800.0)
     assert budget.prefill_tokens >= 8 and follower.num_cached_tokens == 40
+
+
+def attention_cost_model() -> StepCostModel:
+    """0.1 s per step, 1 ms per token, 2 ms per thousand attention pairs: a token at position 500 costs twice
+    one at position 0."""
+    model = StepCostModel()
+    model.weights = np.array([0.1, 0.001, 0.0, 0.002])
+    return model
+
+
+def test_auto_ttft_target_prices_the_suffix_where_it_starts() -> None:
+    """Behind a hot 40-token prefix the 8-token suffix attends to the prefix: its target is 10 x its prefill at
+    positions 40-47 (8 x 44.5 pairs), dearer than the same 8 tokens at position 0 (8 x 4.5 pairs)."""
+    scheduler = budget_scheduler(ttft_target_ms="auto")  # type: ignore[arg-type]
+    scheduler.cost_model = model = attention_cost_model()
+    with_two_decodes(scheduler)
+    (first,) = queue_now(scheduler, 1, 40)
+    while first.num_computed_tokens < first.num_prompt_tokens:
+        step(scheduler)
+    follower = Sequence([*first.prompt_token_ids, *range(900, 908)], SamplingParams(max_tokens=5, ignore_eos=True))
+    scheduler.add(follower)
+    budget = step(scheduler).budget
+    at_suffix = 10 * model.predict(StepShape().plus(8, 40))
+    assert budget.ttft_target_ms == pytest.approx(1000 * at_suffix)
+    assert at_suffix > 10 * model.predict(StepShape().plus(8, 0)) + 0.006  # 8 x 40 pairs x 2 us x 10
+
+
+def test_queue_is_priced_where_its_tokens_start() -> None:
+    """Suffixes behind a hot 512-token prefix: a token costs 2 ms there, 1 ms at position 0. Priced at 0 the
+    cap would hold twice the tokens it can, and the queue would look on time when it is not."""
+    model = attention_cost_model()
+    decodes = StepShape().plus(1, 600).plus(1, 600)  # 0.1044 s alone
+    shared = [QueuedPrefill(64, 0.0, 10.0, start_position=512) for _ in range(2)]
+    fresh = [QueuedPrefill(64, 0.0, 10.0) for _ in range(2)]
+    assert queued_start(shared) == 512 and queued_start(fresh) == 0
+    assert queued_start([QueuedPrefill(300, 0.0, 10.0, 600), QueuedPrefill(100, 0.0, 10.0)]) == 450
+
+    def cap(queue: list[QueuedPrefill]) -> int | None:
+        return choose_budget(model, decodes, 256, 0.2, queue, fresh_decodes=2, max_excursion=4.0).prefill_tokens
+
+    assert cap(fresh) == 87  # 0.1044 + 87 x (1 ms + 44 pairs x 2 us) <= 0.2 s
+    assert cap(shared) == 46  # each of them also attends to the 512 cached tokens
+
+
+def test_prefill_demand_knows_where_its_tokens_start() -> None:
+    """Pacing prices the arriving tokens where they start: behind the prefix-cache hit, weighted by count."""
+    demand = PrefillDemand(window_seconds=10.0)
+    assert demand.start_position() == 0
+    demand.record(1, 100, now=0.0)  # 100 tokens from 0
+    demand.record(2, 612, now=0.0, num_cached=512)  # 100 tokens from 512
+    demand.rate(now=1.0)
+    assert demand.start_position() == 256
+    demand.discount(2, num_cached=562)  # 50 tokens from 562
+    assert demand.start_position() == round(50 * 562 / 150)
+    demand.rate(now=20.0)  # both out of the window
+    assert demand.start_position() == 0
 
 
 def test_prefill_demand_counts_uncached_tokens_within_its_window() -> None:

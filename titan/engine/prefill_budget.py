@@ -71,11 +71,13 @@ MAX_PACED_FACTOR = 3.0
 
 @dataclass(frozen=True)
 class QueuedPrefill:
-    """Prefill work waiting for the budget: tokens still to compute, seconds since arrival, its TTFT target."""
+    """Prefill work waiting for the budget: tokens still to compute, seconds since arrival, its TTFT target, and
+    the position its next chunk starts at (a prefix-cache hit or the chunks already computed)."""
 
     remaining_tokens: int
     waited_seconds: float
     ttft_target: float
+    start_position: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,15 @@ class BudgetDecision:
 
 
 def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, prompt_tokens: int,
-                        auto_factor: float) -> float:
+                        auto_factor: float, start_position: int = 0) -> float:
     """A request's TTFT target: the given number, or with auto `auto_factor` x the predicted prefill alone of
-    the `prompt_tokens` it computes (the model must be fitted)."""
+    the `prompt_tokens` it computes from `start_position` (its prefix-cache hit; the model must be fitted).
+    Where it starts matters: a suffix behind a cached system prompt attends to all of it, and where every
+    prompt does (shared-prefix traffic) the fit cannot tell a token's cost from its attention's, so the
+    same suffix priced at position 0 came out at a tenth of its cost."""
     if ttft_target_ms != "auto":
         return float(ttft_target_ms) / 1000.0
-    return auto_factor * cost_model.predict(StepShape().plus(prompt_tokens, 0))
+    return auto_factor * cost_model.predict(StepShape().plus(prompt_tokens, start_position))
 
 
 def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float, share: float = 1.0) -> int:
@@ -125,33 +130,36 @@ def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: flo
 def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: int, itl_target: float,
                   queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
                   draining: bool = False, min_chunk: int = 1, demand: float = 0.0,
-                  typical: StepShape | None = None) -> BudgetDecision:
+                  typical: StepShape | None = None, demand_start: int = 0) -> BudgetDecision:
     """The module docstring's rule for a step whose decodes have shape `decodes` and `token_budget` tokens
     left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: the last step drained
     a backlog; `min_chunk`: prefill tokens a step computes even past the cap; `demand`: prompt tokens
     arriving per second, which the cap keeps pace with; `typical`: the decodes of a typical recent step
-    (titan.engine.prefill_demand.TypicalDecodes), which pacing sizes its step duration at (default: these)."""
+    (titan.engine.prefill_demand.TypicalDecodes), which pacing sizes its step duration at (default: these);
+    `demand_start`: the position the arriving prompt tokens typically start at (their prefix-cache hits).
+    The queue's tokens are priced at the position they start at on average (`queued_start`)."""
+    position = queued_start(queue)
 
     def tokens_within(target: float) -> int:
-        return cost_model.max_chunk(decodes, 0, token_budget, target)
+        return cost_model.max_chunk(decodes, position, token_budget, target)
 
     def step_of(tokens: int) -> float:
-        return cost_model.predict(decodes.plus(tokens, 0))
+        return cost_model.predict(decodes.plus(tokens, position))
 
     ms = 1000.0
     capped = tokens_within(itl_target)
     pacing = bool(queue) and max_excursion > 1.0
     typical = decodes if typical is None else typical
-    paced = paced_chunk(cost_model, typical, token_budget, DEMAND_HEADROOM * demand) if pacing else 0
+    paced = paced_chunk(cost_model, typical, token_budget, DEMAND_HEADROOM * demand, demand_start) if pacing else 0
     reason, cap_target = ITL_CAP, itl_target
     # One step duration for every step, sized at the typical decodes: a narrow step takes a bigger chunk, a
     # wide one a smaller, so the token gap does not follow the width. Pacing widens the cap only so far:
     # past that the arrivals build a queue, which the TTFT targets absorb.
-    pace = min(cost_model.predict(typical.plus(paced, 0)),
+    pace = min(cost_model.predict(typical.plus(paced, demand_start)),
                MAX_PACED_FACTOR * cost_model.predict(typical)) if paced else 0.0
     # To the nearest token, not the last one within: a token is a fifth of a narrow step here, and always
     # rounding down would pace a step of one decode at half the arrivals' rate.
-    paced_within = tokens_within(pace + 0.5 * cost_model.marginal_token_cost(0)) if paced else 0
+    paced_within = tokens_within(pace + 0.5 * cost_model.marginal_token_cost(position)) if paced else 0
     paced_ms = pace * ms if paced else None
     if paced_within > capped:
         reason, capped = PACED, paced_within
@@ -174,10 +182,10 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     # that bound takes the smallest step that gets the queue on time, so a small backlog costs a small
     # excursion rather than the bound's. The arrivals themselves, without pacing's headroom: with it, one long
     # prompt in the window read as an overload and a drain step took the whole budget (~1 s).
-    keeping_up = paced_chunk(cost_model, decodes, token_budget, demand)
+    keeping_up = paced_chunk(cost_model, decodes, token_budget, demand, demand_start)
     widest = min(max(max_excursion * itl_target, cap_target, step_of(keeping_up)), step_of(token_budget))
     widest_tokens = tokens_within(widest)
-    tokens = smallest_on_time(cost_model, decodes, queue, floor, widest_tokens)
+    tokens = smallest_on_time(cost_model, decodes, queue, floor, widest_tokens, position)
     bound = widest if tokens is None else max(step_of(tokens), cap_target)
     tokens = widest_tokens if tokens is None else tokens
     itl_cost = fresh_decodes if bound > cap_target else 0
@@ -186,15 +194,28 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
                           typical.num_sequences)
 
 
+def queued_start(queue: list[QueuedPrefill]) -> int:
+    """The position the queue's remaining prompt tokens start at, on average over them. Behind a hot system
+    prompt every token attends to it and costs more; priced at position 0 the same suffix came out at a tenth
+    of its cost where all traffic shares the prefix (the fit then cannot tell a token's cost from its
+    attention's). An average rather than the first prefill's position: a long prompt's last chunks would
+    price the short prompts queued behind it at its depth, and the queue would read as a backlog."""
+    tokens = sum(item.remaining_tokens for item in queue)
+    if tokens <= 0:
+        return 0
+    return round(sum(item.remaining_tokens * item.start_position for item in queue) / tokens)
+
+
 def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[QueuedPrefill], low: int,
-                     high: int) -> int | None:
+                     high: int, position: int = 0) -> int | None:
     """The fewest prefill tokens per step, in [low, high], with which every queued first token is predicted
-    within BACKLOG_SHARE of its target; None if even `high` is not enough. Steps are counted as a fraction
+    within BACKLOG_SHARE of its target; None if even `high` is not enough. A step's tokens are priced as
+    starting at `position`. Steps are counted as a fraction
     (tokens ahead / tokens per step), not rounded up as `ttft_met` does: rounded, a bigger chunk can need as
     many steps as a smaller one and be later, and a search over that would miss the smallest."""
 
     def on_time(tokens: int) -> bool:
-        per_token = cost_model.predict(decodes.plus(tokens, 0)) / tokens
+        per_token = cost_model.predict(decodes.plus(tokens, position)) / tokens
         ahead = 0
         for item in queue:
             ahead += item.remaining_tokens

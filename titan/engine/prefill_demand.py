@@ -43,6 +43,7 @@ class PrefillDemand:
         self._arrivals: deque[_Arrival] = deque()  # oldest first
         self._by_seq: dict[int, _Arrival] = {}
         self._tokens = 0
+        self._start_weighted = 0  # Σ tokens x the position they start at (after the prefix-cache hit)
 
     def record(self, seq_id: int, num_tokens: int, now: float, num_cached: int = 0) -> None:
         """A prompt of `num_tokens` arrived, `num_cached` of them in the prefix cache already: a prompt behind a
@@ -54,7 +55,7 @@ class PrefillDemand:
         entry = _Arrival(now, seq_id, num_tokens - num_cached, num_cached)
         self._arrivals.append(entry)
         self._by_seq[seq_id] = entry
-        self._tokens += entry.tokens
+        self._count(entry)
 
     def discount(self, seq_id: int, num_cached: int) -> None:
         """When it was admitted `num_cached` of a recorded prompt's tokens were in the prefix cache: no work to
@@ -62,8 +63,10 @@ class PrefillDemand:
         entry = self._by_seq.pop(seq_id, None)
         if entry is not None:
             taken = min(entry.tokens, max(num_cached - entry.cached, 0))
+            self._forget(entry)
             entry.tokens -= taken
-            self._tokens -= taken
+            entry.cached += taken
+            self._count(entry)
 
     def rate(self, now: float) -> float:
         """Tokens per second over the window. After an idle spell the window is not full yet: the rate is
@@ -77,9 +80,22 @@ class PrefillDemand:
         span = max(now - self._arrivals[0].time, MIN_SPAN_SHARE * self.window_seconds)
         return self._tokens / span
 
+    def start_position(self) -> int:
+        """The position the tokens counted in `rate` start at, on average over them (weighted by their count):
+        behind a hot system prompt they all attend to it, which makes each of them dearer."""
+        return round(self._start_weighted / self._tokens) if self._tokens > 0 else 0
+
+    def _count(self, entry: _Arrival) -> None:
+        self._tokens += entry.tokens
+        self._start_weighted += entry.tokens * entry.cached
+
+    def _forget(self, entry: _Arrival) -> None:
+        self._tokens -= entry.tokens
+        self._start_weighted -= entry.tokens * entry.cached
+
     def _drop_oldest(self) -> None:
         entry = self._arrivals.popleft()
-        self._tokens -= entry.tokens
+        self._forget(entry)
         self._by_seq.pop(entry.seq_id, None)
 
 
@@ -115,14 +131,15 @@ class TypicalDecodes:
         return self.shape
 
 
-def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int, tokens_per_second: float) -> int:
-    """The smallest prefill chunk whose step, beside `decodes`, computes prompt tokens at least at
-    `tokens_per_second`; the whole budget when none keeps pace (an overload)."""
+def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int, tokens_per_second: float,
+                start_position: int = 0) -> int:
+    """The smallest prefill chunk whose step, beside `decodes`, computes prompt tokens (starting at
+    `start_position`) at least at `tokens_per_second`; the whole budget when none keeps pace (an overload)."""
     if tokens_per_second <= 0 or token_budget <= 0:
         return 0
 
     def keeps_pace(chunk: int) -> bool:
-        return chunk >= tokens_per_second * cost_model.predict(decodes.plus(chunk, 0))
+        return chunk >= tokens_per_second * cost_model.predict(decodes.plus(chunk, start_position))
 
     if not keeps_pace(token_budget):
         return token_budget

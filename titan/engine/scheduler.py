@@ -231,15 +231,17 @@ class Scheduler:
         queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._prefill_key(seq, now))
         queued = []
         for seq in queue:
-            remaining, prompt_work = self._prefill_work(seq)
-            queued.append(QueuedPrefill(remaining, now - seq.arrival_time, ttft_target_seconds(
-                config.ttft_target_ms, model, prompt_work, AUTO_TTFT_FACTOR)))
+            start, cached = self._prefill_start(seq)
+            queued.append(QueuedPrefill(seq.num_tokens - start, now - seq.arrival_time, ttft_target_seconds(
+                config.ttft_target_ms, model, seq.num_tokens - cached, AUTO_TTFT_FACTOR, cached), start))
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
         typical = self.typical_decodes.observe(step.decode_shape, now)
+        demand = self.demand.rate(now) if self.demand is not None else 0.0
+        demand_start = self.demand.start_position() if self.demand is not None else 0
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
-                                 config.max_itl_excursion, self.draining, config.min_prefill_chunk,
-                                 self.demand.rate(now) if self.demand is not None else 0.0, typical)
+                                 config.max_itl_excursion, self.draining, config.min_prefill_chunk, demand,
+                                 typical, demand_start)
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
@@ -258,14 +260,14 @@ class Scheduler:
         target = step_target_seconds(self.config.itl_slo_ms, model, typical)
         return None if target is None else self.config.max_itl_excursion * target
 
-    def _prefill_work(self, seq: Sequence) -> tuple[int, int]:
-        """Prompt tokens `seq` still has to compute, and all it computes for its first token. A waiting
-        prompt's prefix-cache hit is counted: a request behind a hot system prompt has only its suffix to do,
-        so its work and its auto TTFT target are the suffix's, not the whole prompt's."""
+    def _prefill_start(self, seq: Sequence) -> tuple[int, int]:
+        """Where `seq`'s next prefill chunk starts, and where its first one started (its prefix-cache hit). A
+        waiting prompt's hit is counted: a request behind a hot system prompt has only its suffix to do, so
+        its work and its auto TTFT target are the suffix's, at the suffix's positions."""
         if seq.status is SequenceStatus.RUNNING:
-            return seq.num_tokens - seq.num_computed_tokens, seq.num_tokens - seq.num_cached_tokens
+            return seq.num_computed_tokens, seq.num_cached_tokens
         cached = self._cache_hit(seq)
-        return seq.num_tokens - cached, seq.num_tokens - cached
+        return cached, cached
 
     def _cache_hit(self, seq: Sequence) -> int:
         """Tokens of a waiting sequence the prefix cache holds now (none for one that wants its prompt's
@@ -280,11 +282,12 @@ class Scheduler:
         prompt's chunks (its slack is short), yet among like prompts it is close to arrival order: fewest
         tokens first let a stream of slightly shorter newcomers pass the oldest prompts under a sustained
         overload (burst TTFT P99 1.19x fcfs's). Without a fitted model, the fewest tokens left first."""
-        left = seq.num_tokens - seq.num_computed_tokens
+        start = self._prefill_start(seq)[0]
+        left = seq.num_tokens - start
         model = self.cost_model
         deadline = 0.0
         if model is not None and model.ready:
-            alone = model.predict(StepShape().plus(left, seq.num_computed_tokens))
+            alone = model.predict(StepShape().plus(left, start))
             deadline = seq.arrival_time + AUTO_TTFT_FACTOR * alone
         return (self._aged_priority(seq, now), deadline, left, seq.arrival_time, seq.seq_id)
 
