@@ -9,8 +9,9 @@ carries decodes:
 
 * T is the ITL target (`step_target_seconds`), τᵢ request i's TTFT target (`ttft_target_seconds`: the
   given number, or auto AUTO_TTFT_FACTOR x the predicted prefill alone of what its prompt computes, the
-  prefix-cache hit left out, so a long prompt may take longer than a short one), X the excursion bound
-  (`max_itl_excursion`).
+  prefix-cache hit left out but attended to, so a long prompt may take longer than a short one), X the
+  excursion bound (`max_itl_excursion`). Prefill tokens are priced at the position the queue's start at on
+  average (`queued_start`), and arriving ones at theirs.
 * Capped, a step holds b(T) prefill tokens: the largest chunk that keeps the predicted step (decodes +
   chunk) within T, or `min_prefill_chunk` if that is more; or, when more, the chunk that fills the paced
   step duration P. P is one duration for every step: the shortest with which a step of the typical recent
