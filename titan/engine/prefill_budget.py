@@ -10,8 +10,8 @@ carries decodes:
 * T is the ITL target (`step_target_seconds`), τᵢ request i's TTFT target (`ttft_target_seconds`: the
   given number, or auto AUTO_TTFT_FACTOR x the predicted prefill alone of what its prompt computes, the
   prefix-cache hit left out but attended to, so a long prompt may take longer than a short one), X the
-  excursion bound (`max_itl_excursion`). Prefill tokens are priced at the position the queue's start at on
-  average (`queued_start`), and arriving ones at theirs.
+  excursion bound (`max_itl_excursion`). Queued prompt tokens are priced at the position they start at on
+  average (`queued_start`), arriving ones at theirs.
 * Capped, a step holds b(T) prefill tokens: the largest chunk that keeps the predicted step (decodes +
   chunk) within T, or `min_prefill_chunk` if that is more; or, when more, the chunk that fills the paced
   step duration P. P is one duration for every step: the shortest with which a step of the typical recent
@@ -211,9 +211,9 @@ def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[
                      high: int, position: int = 0) -> int | None:
     """The fewest prefill tokens per step, in [low, high], with which every queued first token is predicted
     within BACKLOG_SHARE of its target; None if even `high` is not enough. A step's tokens are priced as
-    starting at `position`. Steps are counted as a fraction
-    (tokens ahead / tokens per step), not rounded up as `ttft_met` does: rounded, a bigger chunk can need as
-    many steps as a smaller one and be later, and a search over that would miss the smallest."""
+    starting at `position`. Steps are counted as a fraction (tokens ahead / tokens per step), not rounded up
+    as `ttft_met` does: rounded, a bigger chunk can need as many steps as a smaller one and be later, and a
+    search over that would miss the smallest."""
 
     def on_time(tokens: int) -> bool:
         per_token = cost_model.predict(decodes.plus(tokens, position)) / tokens
