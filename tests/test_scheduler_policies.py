@@ -571,16 +571,23 @@ def test_slo_policy_drains_a_small_backlog_with_a_small_excursion() -> None:
     assert [seq.itl_excursions for seq in decoders] == [1, 1]
 
 
-def test_auto_ttft_target_leaves_out_the_prefix_cache_hit() -> None:
-    """A prompt behind a hot 40-token prefix computes only its 8-token suffix: its auto target is 10 x the
-    suffix's prefill (0.1 + 0.08 s), not the whole prompt's (0.1 + 0.48 s), and the queue counts 8 tokens."""
-    scheduler = budget_scheduler(ttft_target_ms="auto")  # type: ignore[arg-type]
+def follow_a_hot_prefix(scheduler: Scheduler) -> Sequence:
+    """Two decodes mid-stream, a 40-token prompt computed (its 10 full blocks now cached), then queued: a
+    prompt of those 40 tokens and an 8-token suffix of its own."""
     with_two_decodes(scheduler)
     (first,) = queue_now(scheduler, 1, 40)
     while first.num_computed_tokens < first.num_prompt_tokens:
         step(scheduler)
     follower = Sequence([*first.prompt_token_ids, *range(900, 908)], SamplingParams(max_tokens=5, ignore_eos=True))
     scheduler.add(follower)
+    return follower
+
+
+def test_auto_ttft_target_leaves_out_the_prefix_cache_hit() -> None:
+    """A prompt behind a hot 40-token prefix computes only its 8-token suffix: its auto target is 10 x the
+    suffix's prefill (0.1 + 0.08 s), not the whole prompt's (0.1 + 0.48 s), and the queue counts 8 tokens."""
+    scheduler = budget_scheduler(ttft_target_ms="auto")  # type: ignore[arg-type]
+    follower = follow_a_hot_prefix(scheduler)
     budget = step(scheduler).budget
     assert budget.queued == 1 and budget.ttft_target_ms == pytest.approx(1800.0)
     assert budget.prefill_tokens >= 8 and follower.num_cached_tokens == 40
@@ -599,12 +606,7 @@ def test_auto_ttft_target_prices_the_suffix_where_it_starts() -> None:
     positions 40-47 (8 x 44.5 pairs), dearer than the same 8 tokens at position 0 (8 x 4.5 pairs)."""
     scheduler = budget_scheduler(ttft_target_ms="auto")  # type: ignore[arg-type]
     scheduler.cost_model = model = attention_cost_model()
-    with_two_decodes(scheduler)
-    (first,) = queue_now(scheduler, 1, 40)
-    while first.num_computed_tokens < first.num_prompt_tokens:
-        step(scheduler)
-    follower = Sequence([*first.prompt_token_ids, *range(900, 908)], SamplingParams(max_tokens=5, ignore_eos=True))
-    scheduler.add(follower)
+    follow_a_hot_prefix(scheduler)
     budget = step(scheduler).budget
     at_suffix = 10 * model.predict(StepShape().plus(8, 40))
     assert budget.ttft_target_ms == pytest.approx(1000 * at_suffix)
