@@ -228,10 +228,13 @@ class Scheduler:
             step.output.budget = BudgetDecision(NO_DECODES, None if step.target is None else step.target * 1000.0,
                                                 None, None, None)
             return
-        queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._prefill_key(seq, now))
+        # Each waiting prompt's cache hit once: the order and the queue's positions both need it.
+        starts = {seq.seq_id: self._prefill_start(seq) for seq in prefilling + list(self.waiting)}
+        queue = sorted(prefilling + list(self.waiting),
+                       key=lambda seq: self._prefill_key(seq, now, starts[seq.seq_id][0]))
         queued = []
         for seq in queue:
-            start, cached = self._prefill_start(seq)
+            start, cached = starts[seq.seq_id]
             queued.append(QueuedPrefill(seq.num_tokens - start, now - seq.arrival_time, ttft_target_seconds(
                 config.ttft_target_ms, model, seq.num_tokens - cached, AUTO_TTFT_FACTOR, cached), start))
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
@@ -276,13 +279,14 @@ class Scheduler:
             return 0
         return len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
 
-    def _prefill_key(self, seq: Sequence, now: float) -> tuple[float, float, int, float, int]:
+    def _prefill_key(self, seq: Sequence, now: float, start: int | None = None) -> tuple[float, float, int, float, int]:
         """slo's prefill order: priority (aged), then the earliest slack deadline, arrival + AUTO_TTFT_FACTOR x
         the predicted prefill alone of what is left. A short prompt's first token does not queue behind a long
         prompt's chunks (its slack is short), yet among like prompts it is close to arrival order: fewest
         tokens first let a stream of slightly shorter newcomers pass the oldest prompts under a sustained
         overload (burst TTFT P99 1.19x fcfs's). Without a fitted model, the fewest tokens left first."""
-        start = self._prefill_start(seq)[0]
+        if start is None:  # where its next chunk starts (_prefill_start), unless the caller knows
+            start = self._prefill_start(seq)[0]
         left = seq.num_tokens - start
         model = self.cost_model
         deadline = 0.0
