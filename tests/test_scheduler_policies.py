@@ -13,7 +13,14 @@ import pytest
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape, shape_of
-from titan.engine.prefill_budget import QueuedPrefill, choose_budget, queued_start, ttft_met, ttft_target_seconds
+from titan.engine.prefill_budget import (
+    QueuedPrefill,
+    choose_budget,
+    most_on_time,
+    queued_start,
+    ttft_met,
+    ttft_target_seconds,
+)
 from titan.engine.prefill_demand import MAX_TRACKED_ARRIVALS, PrefillDemand, TypicalDecodes, paced_chunk
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
@@ -729,3 +736,19 @@ def test_auto_ttft_target_follows_the_prompt_length() -> None:
     assert ttft_target_seconds("auto", model, 100, 3.0) == pytest.approx(3.3)
     assert ttft_target_seconds("auto", model, 400, 3.0) == pytest.approx(12.3)
     assert ttft_target_seconds(500.0, model, 400, 3.0) == 0.5
+
+
+def test_a_drain_that_gets_no_queue_on_time_keeps_the_chunk_that_gets_most_on_time() -> None:
+    """A long prompt's last 479 tokens (17 s target, 5 s waited) ahead of a 100-token prompt with a 1.9 s
+    target, steps of 10 ms + 1.9 ms per token. At 8 tokens per step both are on time (1.51 s; 73 steps,
+    1.84 s), the whole 511-token budget gets the long prompt out in one 0.98 s step and the short one in two,
+    1.96 s: late. The drain keeps the small chunk. With every request already late nothing is gained by a
+    small chunk, and the drain keeps its widest step, as fcfs."""
+    def step_of(tokens: int) -> float:
+        return 0.010 + 0.0019 * tokens
+
+    queue = [QueuedPrefill(479, waited_seconds=5.0, ttft_target=17.0), QueuedPrefill(100, 0.0, ttft_target=1.9)]
+    assert (ttft_met(queue, 8, step_of(8)), ttft_met(queue, 511, step_of(511))) == (2, 1)
+    assert most_on_time(queue, 8, 511, step_of) == 8
+    late = [QueuedPrefill(479, waited_seconds=20.0, ttft_target=17.0), QueuedPrefill(100, 3.0, ttft_target=1.9)]
+    assert most_on_time(late, 8, 511, step_of) == 511
