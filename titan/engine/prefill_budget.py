@@ -32,10 +32,7 @@ carries decodes:
   of its target, up to X·T (or the whole token budget, if that is less; never slower than the arrivals,
   so under an overload the whole budget, as fcfs). If no chunk up to that bound gets the queue on time,
   the bound, unless a smaller chunk gets more first tokens within their targets (then the smallest such
-  chunk, `most_on_time`). A small backlog so costs a small excursion, not the bound's. Such a step costs
-  every fresh decode (no gap over its target yet) its ITL target: it is taken only if it gets at least as
-  many more first tokens within BACKLOG_SHARE of their targets than the cap does, or if the cap is slower
-  than the arrivals; otherwise the step stays at the cap (HELD). The drain goes on
+  chunk, `most_on_time`). A small backlog so costs a small excursion, not the bound's. The drain goes on
   until the queue is on time at the cap with half of every target to spare (DRAIN_EXIT_SHARE): stopping
   as soon as the cap looks just fast enough again would leave the backlog's last requests right at their
   TTFT target, and the queue hovering there would switch between cap and drain step after step. Under a
@@ -61,7 +58,6 @@ NO_DECODES = "no_decodes"  # nobody is mid-stream: no gap to protect, the whole 
 ITL_CAP = "itl_cap"  # capped at the ITL target: the queue's first tokens are on time at the cap
 PACED = "paced"  # on time at the cap, widened past the ITL target to keep pace with arriving prompts
 BACKLOG = "backlog"  # the excursion bound: at the cap a queued first token is late, or a backlog still drains
-HELD = "backlog_held"  # a backlog, held at the cap: draining it costs more fresh decodes than it gets first tokens
 
 
 # A drain ends when every queued first token is predicted within this share of its TTFT target at the cap.
@@ -200,14 +196,6 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
         tokens = most_on_time(queue, floor, widest_tokens, step_of)
     bound = widest if tokens == widest_tokens else max(step_of(tokens), cap_target)
     itl_cost = fresh_decodes if bound > cap_target else 0
-    # Goodput: the drain step costs each fresh decode its ITL target. Worth it only if it gets at least as
-    # many more first tokens within the drain's share of their targets, or if the cap falls behind the
-    # arrivals (then the queue only grows, and waiting makes the drain longer, not shorter).
-    gained = (ttft_met_spread(cost_model, decodes, queue, tokens, position)
-              - ttft_met_spread(cost_model, decodes, queue, floor, position))
-    if gained < itl_cost and keeping_up <= floor:
-        return BudgetDecision(HELD, cap_target * ms, itl_target * ms, first_target, capped, len(queue),
-                              met_capped, met_capped, 0, demand, paced_ms, typical.num_sequences)
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
                           ttft_met(queue, tokens, step_of(tokens)), itl_cost, demand, paced_ms,
                           typical.num_sequences)
@@ -240,21 +228,6 @@ def most_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Calla
     return best
 
 
-def ttft_met_spread(cost_model: StepCostModel, decodes: StepShape, queue: list[QueuedPrefill], tokens: int,
-                    position: int = 0) -> int:
-    """Queued prefills predicted within BACKLOG_SHARE of their target with `tokens` prefill tokens per step
-    beside `decodes`, priced at `position`, a step's time spread over its tokens (see `smallest_on_time`)."""
-    if tokens <= 0:
-        return 0
-    per_token = cost_model.predict(decodes.plus(tokens, position)) / tokens
-    met, ahead = 0, 0
-    for item in queue:
-        ahead += item.remaining_tokens
-        if item.waited_seconds + ahead * per_token <= BACKLOG_SHARE * item.ttft_target:
-            met += 1
-    return met
-
-
 def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[QueuedPrefill], low: int,
                      high: int, position: int = 0) -> int | None:
     """The fewest prefill tokens per step, in [low, high], with which every queued first token is predicted
@@ -264,7 +237,13 @@ def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[
     search over that would miss the smallest."""
 
     def on_time(tokens: int) -> bool:
-        return ttft_met_spread(cost_model, decodes, queue, tokens, position) == len(queue)
+        per_token = cost_model.predict(decodes.plus(tokens, position)) / tokens
+        ahead = 0
+        for item in queue:
+            ahead += item.remaining_tokens
+            if item.waited_seconds + ahead * per_token > BACKLOG_SHARE * item.ttft_target:
+                return False
+        return True
 
     low = max(low, 1)
     if low > high or not on_time(high):

@@ -130,13 +130,6 @@ class TypicalDecodes:
         self._last = now
         return self.shape
 
-    def forget(self) -> None:
-        """The engine went idle: the next step's decodes are typical (the shape stays until then). Weighted
-        by time alone, a few seconds of idleness kept most of the last traffic's width: an overload's 38
-        decodes paced the first steps of the next, light traffic at 120-185 ms, three times 38 decodes'
-        step, and those steps were its ITL P99."""
-        self._last = None
-
 
 def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int, tokens_per_second: float,
                 start_position: int = 0) -> int:
