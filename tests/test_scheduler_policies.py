@@ -411,30 +411,35 @@ def queue_now(scheduler: Scheduler, count: int, length: int) -> list[Sequence]:
 
 
 def test_slo_policy_drains_a_backlog_at_the_excursion_bound_until_half_the_targets_are_spare() -> None:
-    """20 queued prompts of 40 tokens, TTFT target 10 s. Capped (12 tokens per 0.24 s step) only the 12 first
-    are on time: a backlog, so the step runs to 4x the target (0.98 s, 86 tokens), where all 20 are."""
+    """20 queued prompts of 40 tokens, TTFT target 10 s. Capped (12 tokens per 0.24 s step, and each prompt
+    once prefilled adds its 0.01 s decode to every later step) only the 10 first are on time: a backlog. At
+    4x the target (0.98 s, 86 tokens) the last is still late (10 steps and 0.93 s of the others' decodes),
+    and later than whole-budget steps (256 tokens) would get it out, 8.7 s from now: the step takes the
+    fewest tokens that keep it within 1.05x that, 118 (1.3 s), where all 20 are on time."""
     scheduler = budget_scheduler(ttft_target_ms=10_000)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
     budget = output.budget
     assert budget.reason == "backlog"
-    assert (budget.itl_target_ms, budget.step_target_ms) == (pytest.approx(245.0), pytest.approx(980.0))
-    assert (budget.prefill_tokens, budget.ttft_met_capped, budget.ttft_met, budget.itl_cost) == (86, 12, 20, 2)
-    assert output.num_batched_tokens == 2 + 86
+    assert (budget.itl_target_ms, budget.step_target_ms) == (pytest.approx(245.0), pytest.approx(1300.0))
+    assert (budget.prefill_tokens, budget.ttft_met_capped, budget.ttft_met, budget.itl_cost) == (118, 10, 20, 2)
+    assert output.num_batched_tokens == 2 + 118
     assert [seq.itl_excursions for seq in decoders] == [1, 1]
     # The next step also decodes the two prompts finished in this one: only those lose their ITL target now.
     second = step(scheduler)
     assert sum(s.is_decode for s in second.scheduled) == 4
     assert (second.budget.reason, second.budget.itl_cost) == ("backlog", 2)
-    # Abort all but 7 waiting prompts (about 300 tokens with the one prefilling): at the cap they would be done
-    # in about 6 s, on time, but not with half of their 10 s target to spare, so the drain goes on.
-    for seq in list(scheduler.waiting)[7:]:
+    # Abort all but 5 waiting prompts (about 200 tokens with the one prefilling): at the cap (now beside the
+    # decodes of the prompts done) they would be on time, but not with half of their 10 s target to spare:
+    # the drain goes on.
+    for seq in list(scheduler.waiting)[5:]:
         scheduler.abort(seq.seq_id)
     third = step(scheduler)
     assert (third.budget.reason, third.budget.ttft_met_capped) == ("backlog", third.budget.queued)
-    # Two left (80 tokens, 1.7 s at the cap): half the target to spare, the drain ends.
-    for seq in list(scheduler.waiting)[2:]:
+    # One waiting prompt left, and the rest of the one prefilling (76 tokens, 3.7 s at the cap of 5 tokens beside
+    # nine decodes): half the target to spare, the drain ends.
+    for seq in list(scheduler.waiting)[1:]:
         scheduler.abort(seq.seq_id)
     budget = step(scheduler).budget
     assert budget.reason == "itl_cap" and budget.queued >= 2 and not scheduler.draining
@@ -497,10 +502,10 @@ def test_paced_steps_take_one_duration_whatever_their_width() -> None:
     chunks = []
     for width in (1, 2, 4):
         scheduler = budget_scheduler(ttft_target_ms=40_000, demand_window_s=40.0, itl_slo_ms=150.0)
-        scheduler.typical_decodes.observe(StepShape(2.5, 2.5, 0.0), time.monotonic())
         for _ in range(width):
             scheduler.add(sequence(4, max_tokens=500))
         assert step(scheduler).budget.reason == "no_decodes"
+        scheduler.typical_decodes.observe(StepShape(2.5, 2.5, 0.0), time.monotonic())
         queue_now(scheduler, 1, 602 - 4 * width)
         output = step(scheduler)
         assert output.budget.reason == "paced"
@@ -520,6 +525,22 @@ def test_typical_decodes_average_recent_steps_by_time() -> None:
     assert shape.num_sequences < 4.5
     shape = typical.observe(StepShape(1, 1, 300.0), now=30.0)  # after an idle spell the new traffic is typical
     assert shape.num_sequences == pytest.approx(1.0)
+
+
+def test_an_idle_engine_forgets_the_typical_decodes() -> None:
+    """Eight decodes were typical; every request finished, and then one request arrives. Its first step with
+    a decode is paced at one decode's width, not at what is left of the eight (weighted by time alone, a
+    second of idleness keeps 82 % of them)."""
+    scheduler = budget_scheduler(ttft_target_ms=40_000)
+    for seq in [sequence(4, max_tokens=2) for _ in range(8)]:
+        scheduler.add(seq)
+    step(scheduler)  # their prefills
+    step(scheduler)  # their decodes: eight are typical
+    assert scheduler.typical_decodes.shape.num_sequences == 8
+    assert not scheduler.has_unfinished
+    scheduler.add(sequence(4, max_tokens=50))
+    step(scheduler)  # its prefill, on an idle engine
+    assert step(scheduler).budget.typical_decodes == 1
 
 
 def test_slo_policy_bounds_a_step_without_decodes_once_decodes_were_seen() -> None:
@@ -565,16 +586,16 @@ def test_slo_policy_drains_a_small_backlog_with_a_small_excursion() -> None:
     """Four queued 40-token prompts with a 3.1 s target. Capped (12 tokens per 0.24 s step) the last is done in
     14 steps, 3.36 s: late, a backlog. The excursion bound (0.98 s steps) would clear it in two steps; the
     drain takes the smallest step that gets every first token within 0.8 of its target (2.48 s) instead, steps
-    counted as a fraction: 160 / b x (0.12 + 0.01 b) <= 2.48 s, b = 22 tokens in 0.34 s steps (8 whole steps,
-    2.72 s: on time)."""
+    counted as a fraction, each prefilled prompt's 0.01 s decode added to every later step: 160 / b x (0.12 +
+    0.01 b) + 0.01 x (3 x 160 - 240) / b <= 2.48 s, b = 25 tokens in 0.37 s steps."""
     scheduler = budget_scheduler(ttft_target_ms=3_100)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 4, 40)
     output = step(scheduler)
     budget = output.budget
     assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 3, 4)
-    assert budget.prefill_tokens == 22 and budget.step_target_ms == pytest.approx(340.0)
-    assert output.num_batched_tokens == 2 + 22
+    assert budget.prefill_tokens == 25 and budget.step_target_ms == pytest.approx(370.0)
+    assert output.num_batched_tokens == 2 + 25
     assert [seq.itl_excursions for seq in decoders] == [1, 1]
 
 
@@ -717,7 +738,7 @@ def test_step_records_show_the_budget_decision() -> None:
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
     record = asdict(StepRecord.of(output, RunnerOutput(), started=0.0, duration=0.9, predicted=0.98, gc_pause=0.0))
-    assert record["budget"]["reason"] == "backlog" and record["budget"]["prefill_tokens"] == 86
+    assert record["budget"]["reason"] == "backlog" and record["budget"]["prefill_tokens"] == 118
     assert (record["predicted_duration"], record["duration"]) == (0.98, 0.9)
 
 

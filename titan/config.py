@@ -181,7 +181,9 @@ class SchedulerConfig:
                 f"{AUTO_TTFT_FACTOR:g}x the predicted prefill of the request's prompt alone", parse=number_or_auto)
     max_itl_excursion: float = option(
         10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
-             "lets steps run to this many times their ITL target until the queue is on time again (1: never)")
+             "lets steps run to this many times their ITL target until the queue is on time again, further "
+             "only where a queued request is late even so, to keep the queue's last first token within 1.1x "
+             "of fcfs's (1: never)")
     prefill_demand_window_s: float = option(
         10.0, "the slo cap keeps pace with the prompt tokens that arrived over this many seconds, so steady "
               "traffic never builds a backlog (0: the ITL target alone sizes the cap)")

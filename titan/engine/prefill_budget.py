@@ -25,14 +25,17 @@ carries decodes:
   prompts still prefilling, then the waiting ones, in the policy's order) is on time if every request i is
   predicted to get its first token within τᵢ of its arrival when every step from now on computes b(T) of
   them: i finishes in step ⌈(tokens of i and of those ahead of it) / b(T)⌉, each step taking the predicted
-  duration of decodes + b(T).
+  duration of decodes + b(T) plus the decode of every queued request already prefilled (`first_token_seconds`:
+  a burst's first requests decode in every step their followers prefill in).
 * On time, with every first token predicted within BACKLOG_SHARE of its target: the step is capped at T
   (or paced). Otherwise the queue is a backlog (some first token is late, or about to be, at the cap) and
   the step takes the smallest chunk with which every queued first token is predicted within BACKLOG_SHARE
   of its target, up to X·T (or the whole token budget, if that is less; never slower than the arrivals,
   so under an overload the whole budget, as fcfs). If no chunk up to that bound gets the queue on time,
   the bound, unless a smaller chunk gets more first tokens within their targets (then the smallest such
-  chunk, `most_on_time`). A small backlog so costs a small excursion, not the bound's. The drain goes on
+  chunk, `most_on_time`); and the bound is widened until the queue's last first token is predicted within
+  LATE_TTFT_SLACK of its TTFT at whole-budget steps (fcfs's), the throughput rule's bound on a burst's
+  TTFT P99 (`no_later_than_whole_steps`). A small backlog so costs a small excursion, not the bound's. The drain goes on
   until the queue is on time at the cap with half of every target to spare (DRAIN_EXIT_SHARE): stopping
   as soon as the cap looks just fast enough again would leave the backlog's last requests right at their
   TTFT target, and the queue hovering there would switch between cap and drain step after step. Under a
@@ -46,7 +49,7 @@ request arriving while it runs waits for all of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
@@ -73,6 +76,9 @@ BACKLOG_SHARE = 0.8
 MAX_PACED_FACTOR = 3.0
 # Chunk sizes a drain that gets no queue on time compares grow by this factor (most_on_time).
 SEARCH_GROWTH = 1.25
+# A drain that gets no queue on time keeps the queue's last first token within this factor of its TTFT at
+# whole-budget steps: the throughput rule bounds burst TTFT P99 at 1.1x fcfs's.
+LATE_TTFT_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -120,17 +126,43 @@ def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, 
     return auto_factor * cost_model.predict(StepShape().plus(prompt_tokens, start_position))
 
 
-def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float, share: float = 1.0) -> int:
+def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float, share: float = 1.0,
+             decode_seconds: Sequence[float] = ()) -> int:
     """Queued prefills (in service order) predicted to reach their first token within `share` x their target
-    of arrival."""
+    of arrival, each step computing `tokens_per_step` of them in `step_seconds` plus the decodes of those
+    already prefilled (`decode_seconds`, per queued request; none if not given)."""
     if tokens_per_step <= 0:
         return 0
-    met, ahead = 0, 0
-    for item in queue:
+    finishes = first_token_seconds(queue, tokens_per_step, step_seconds, decode_seconds)
+    return sum(item.waited_seconds + finish <= share * item.ttft_target
+               for item, finish in zip(queue, finishes, strict=True))
+
+
+def first_token_seconds(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float,
+                        decode_seconds: Sequence[float] = (), whole_steps: bool = True) -> list[float]:
+    """Seconds from now to each queued request's first token, every step computing `tokens_per_step` of the
+    queue's tokens in `step_seconds`, plus the decode of each request already prefilled (`decode_seconds`
+    per request): a burst's first requests decode in every step their followers prefill in, and a drain
+    planned without them got its last requests late. `whole_steps`: a request waits for the end of the step
+    its last token is in; else steps count as a fraction (tokens ahead / tokens per step), for a search over
+    the chunk size: rounded, a bigger chunk can need as many steps as a smaller one and be later."""
+    finishes = []
+    ahead, decoding, decoding_since = 0, 0.0, 0.0  # Σ decode seconds of the prefilled, Σ of them x their step
+    for item, cost in zip(queue, list(decode_seconds) or [0.0] * len(queue), strict=True):
         ahead += item.remaining_tokens
-        if item.waited_seconds + math.ceil(ahead / tokens_per_step) * step_seconds <= share * item.ttft_target:
-            met += 1
-    return met
+        steps = math.ceil(ahead / tokens_per_step) if whole_steps else ahead / tokens_per_step
+        finishes.append(steps * (step_seconds + decoding) - decoding_since)
+        decoding += cost
+        decoding_since += cost * steps
+    return finishes
+
+
+def decode_seconds(cost_model: StepCostModel, queue: list[QueuedPrefill]) -> list[float]:
+    """What each queued request's decode adds to a step once it is prefilled: a token and a sequence attending
+    to its prompt."""
+    empty = cost_model.predict(StepShape())
+    return [cost_model.predict(StepShape().plus(1, item.start_position + item.remaining_tokens)) - empty
+            for item in queue]
 
 
 def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: int, itl_target: float,
@@ -145,6 +177,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     `demand_start`: the position the arriving prompt tokens typically start at (their prefix-cache hits).
     The queue's tokens are priced at the position they start at on average (`queued_start`)."""
     position = queued_start(queue)
+    growth = decode_seconds(cost_model, queue)
 
     def tokens_within(target: float) -> int:
         return cost_model.max_chunk(decodes, position, token_budget, target)
@@ -173,14 +206,14 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     first_target = queue[0].ttft_target * ms if queue else None
     floor = max(capped, min(min_chunk, token_budget))
     floor_step = step_of(floor)
-    met_capped = ttft_met(queue, floor, floor_step)
+    met_capped = ttft_met(queue, floor, floor_step, decode_seconds=growth)
     # A drain starts once the cap would get a queued first token later than the drain aims for (BACKLOG_SHARE
     # of its target): found then, the smallest chunk that is on time is a little past the cap; found only
     # when the cap is late, it is a jump (a 130 ms step among 16 ms ones). It ends once the queue is on time
     # at the cap with half its targets to spare: otherwise a backlog hovers at its targets, switching between
     # cap and drain step after step.
     share = DRAIN_EXIT_SHARE if draining else BACKLOG_SHARE
-    on_time = ttft_met(queue, floor, floor_step, share=share) == len(queue)
+    on_time = ttft_met(queue, floor, floor_step, share, growth) == len(queue)
     if not queue or token_budget <= capped or max_excursion <= 1.0 or on_time:
         return BudgetDecision(reason, cap_target * ms, itl_target * ms, first_target, capped, len(queue),
                               met_capped, met_capped, 0, demand, paced_ms, typical.num_sequences)
@@ -191,13 +224,20 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     keeping_up = paced_chunk(cost_model, decodes, token_budget, demand, demand_start)
     widest = min(max(max_excursion * itl_target, cap_target, step_of(keeping_up)), step_of(token_budget))
     widest_tokens = tokens_within(widest)
-    tokens = smallest_on_time(cost_model, decodes, queue, floor, widest_tokens, position)
+    tokens = smallest_on_time(queue, floor, widest_tokens, step_of, growth)
     if tokens is None:
-        tokens = most_on_time(queue, floor, widest_tokens, step_of)
+        # Some first token will be late whatever the chunk: it is not made much later than whole-budget steps
+        # (as fcfs's) would get it out. At the excursion bound of one decode's target, a burst's 13 prompts
+        # were prefilled in 47-token steps, each paying the step's fixed cost and the decodes of those
+        # already done, and the burst's last first token came 0.3-0.5 s after fcfs's.
+        near_fcfs = no_later_than_whole_steps(queue, floor, token_budget, step_of, growth)
+        if near_fcfs > widest_tokens:
+            widest_tokens, widest = near_fcfs, step_of(near_fcfs)
+        tokens = most_on_time(queue, floor, widest_tokens, step_of, growth)
     bound = widest if tokens == widest_tokens else max(step_of(tokens), cap_target)
     itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
-                          ttft_met(queue, tokens, step_of(tokens)), itl_cost, demand, paced_ms,
+                          ttft_met(queue, tokens, step_of(tokens), decode_seconds=growth), itl_cost, demand, paced_ms,
                           typical.num_sequences)
 
 
@@ -213,37 +253,48 @@ def queued_start(queue: list[QueuedPrefill]) -> int:
     return round(sum(item.remaining_tokens * item.start_position for item in queue) / tokens)
 
 
-def most_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Callable[[int], float]) -> int:
+def most_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Callable[[int], float],
+                 growth: Sequence[float] = ()) -> int:
     """With no chunk in [low, high] getting the queue on time: `high` (the drain's widest step, as fcfs under
     an overload) unless a smaller chunk is predicted to get more first tokens within their targets, then the
     smallest of those. A whole-budget step makes every request wait for all of it: one late long prompt
-    queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on time."""
-    best, best_met = high, ttft_met(queue, high, step_of(high))
+    queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on time. `growth`:
+    each queued request's decode, once prefilled (`decode_seconds`)."""
+    best, best_met = high, ttft_met(queue, high, step_of(high), decode_seconds=growth)
     tokens = max(low, 1)
     while tokens < high:
-        met = ttft_met(queue, tokens, step_of(tokens))
+        met = ttft_met(queue, tokens, step_of(tokens), decode_seconds=growth)
         if met > best_met:
             best, best_met = tokens, met
         tokens = max(tokens + 1, math.ceil(SEARCH_GROWTH * tokens))
     return best
 
 
-def smallest_on_time(cost_model: StepCostModel, decodes: StepShape, queue: list[QueuedPrefill], low: int,
-                     high: int, position: int = 0) -> int | None:
+def no_later_than_whole_steps(queue: list[QueuedPrefill], low: int, token_budget: int,
+                              step_of: Callable[[int], float], growth: Sequence[float] = ()) -> int:
+    """The fewest prefill tokens per step (at least `low`) with which the queue's last first token is predicted
+    within LATE_TTFT_SLACK of its TTFT at whole-budget steps (`token_budget` tokens each); steps count as a
+    fraction (`first_token_seconds`)."""
+    last = queue[-1]
+
+    def ttft(tokens: int) -> float:
+        return last.waited_seconds + first_token_seconds(queue, tokens, step_of(tokens), growth, whole_steps=False)[-1]
+
+    limit = LATE_TTFT_SLACK * ttft(token_budget)
+    # fewer, bigger steps pay the fixed cost and the prefilled requests' decodes fewer times
+    return smallest_passing(min(max(low, 1), token_budget), token_budget, lambda tokens: ttft(tokens) <= limit)
+
+
+def smallest_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Callable[[int], float],
+                     growth: Sequence[float] = ()) -> int | None:
     """The fewest prefill tokens per step, in [low, high], with which every queued first token is predicted
-    within BACKLOG_SHARE of its target; None if even `high` is not enough. A step's tokens are priced as
-    starting at `position`. Steps are counted as a fraction (tokens ahead / tokens per step), not rounded up
-    as `ttft_met` does: rounded, a bigger chunk can need as many steps as a smaller one and be later, and a
-    search over that would miss the smallest."""
+    within BACKLOG_SHARE of its target (steps of `step_of` seconds, plus each prefilled request's decode,
+    `growth`); None if even `high` is not enough. Steps count as a fraction (`first_token_seconds`)."""
 
     def on_time(tokens: int) -> bool:
-        per_token = cost_model.predict(decodes.plus(tokens, position)) / tokens
-        ahead = 0
-        for item in queue:
-            ahead += item.remaining_tokens
-            if item.waited_seconds + ahead * per_token > BACKLOG_SHARE * item.ttft_target:
-                return False
-        return True
+        finishes = first_token_seconds(queue, tokens, step_of(tokens), growth, whole_steps=False)
+        return all(item.waited_seconds + finish <= BACKLOG_SHARE * item.ttft_target
+                   for item, finish in zip(queue, finishes, strict=True))
 
     low = max(low, 1)
     if low > high or not on_time(high):

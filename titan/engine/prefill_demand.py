@@ -105,8 +105,8 @@ class TypicalDecodes:
     Pacing sizes one step duration for every step from it rather than a chunk per step: a step of narrow
     decodes takes a bigger chunk, one of wide decodes a smaller, and the token gap is the same whatever
     the width. The average keeps pace because a step's duration is linear in its shape. It is weighted by
-    time, not by steps: after an overload's wide, long steps, or an idle spell, it follows the traffic
-    within seconds rather than after hundreds of steps.
+    time, not by steps: after an overload's wide, long steps it follows the traffic within seconds rather
+    than after hundreds of steps; and it restarts once the engine has gone idle (`forget`).
     """
 
     def __init__(self, time_constant_seconds: float = TYPICAL_DECODES_SECONDS) -> None:
@@ -129,6 +129,13 @@ class TypicalDecodes:
                                    mix(self.shape.attention_pairs, decodes.attention_pairs))
         self._last = now
         return self.shape
+
+    def forget(self) -> None:
+        """The engine went idle: the next step's decodes are typical (the shape stays until then). Weighted by
+        time alone, a few seconds of idleness kept most of the last traffic's width: an overload's 38 decodes
+        paced the first steps of the next, light traffic at 120-185 ms, three times 38 decodes' step, and
+        those steps were its ITL P99."""
+        self._last = None
 
 
 def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int, tokens_per_second: float,

@@ -147,6 +147,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(self.config.max_num_batched_tokens)
         now = time.monotonic()
+        if not self.running:
+            self.typical_decodes.forget()
         # Decodes first: a long prompt that is still prefilling must never starve them of budget.
         decodes = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
         prefills = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
