@@ -182,8 +182,8 @@ class SchedulerConfig:
     max_itl_excursion: float = option(
         10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
              "lets steps run to this many times their ITL target until the queue is on time again, further "
-             "only where a queued request is late even so, to keep the queue's last first token within 1.1x "
-             "of fcfs's (1: never)")
+             "only where a queued request is late even so, to keep the queue's last first token within 1.05x "
+             "of whole-budget steps' (1: never)")
     prefill_demand_window_s: float = option(
         10.0, "the slo cap keeps pace with the prompt tokens that arrived over this many seconds, so steady "
               "traffic never builds a backlog (0: the ITL target alone sizes the cap)")
