@@ -127,28 +127,28 @@ def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, 
 
 
 def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float, share: float = 1.0,
-             decode_seconds: Sequence[float] = ()) -> int:
+             growth: Sequence[float] = ()) -> int:
     """Queued prefills (in service order) predicted to reach their first token within `share` x their target
     of arrival, each step computing `tokens_per_step` of them in `step_seconds` plus the decodes of those
-    already prefilled (`decode_seconds`, per queued request; none if not given)."""
+    already prefilled (`growth`, per queued request: `decode_growth`; none if not given)."""
     if tokens_per_step <= 0:
         return 0
-    finishes = first_token_seconds(queue, tokens_per_step, step_seconds, decode_seconds)
+    finishes = first_token_seconds(queue, tokens_per_step, step_seconds, growth)
     return sum(item.waited_seconds + finish <= share * item.ttft_target
                for item, finish in zip(queue, finishes, strict=True))
 
 
 def first_token_seconds(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float,
-                        decode_seconds: Sequence[float] = (), whole_steps: bool = True) -> list[float]:
+                        growth: Sequence[float] = (), whole_steps: bool = True) -> list[float]:
     """Seconds from now to each queued request's first token, every step computing `tokens_per_step` of the
-    queue's tokens in `step_seconds`, plus the decode of each request already prefilled (`decode_seconds`
-    per request): a burst's first requests decode in every step their followers prefill in, and a drain
+    queue's tokens in `step_seconds`, plus the decode of each request already prefilled (`growth` per
+    request): a burst's first requests decode in every step their followers prefill in, and a drain
     planned without them got its last requests late. `whole_steps`: a request waits for the end of the step
     its last token is in; else steps count as a fraction (tokens ahead / tokens per step), for a search over
     the chunk size: rounded, a bigger chunk can need as many steps as a smaller one and be later."""
     finishes = []
     ahead, decoding, decoding_since = 0, 0.0, 0.0  # Σ decode seconds of the prefilled, Σ of them x their step
-    for item, cost in zip(queue, list(decode_seconds) or [0.0] * len(queue), strict=True):
+    for item, cost in zip(queue, list(growth) or [0.0] * len(queue), strict=True):
         ahead += item.remaining_tokens
         steps = math.ceil(ahead / tokens_per_step) if whole_steps else ahead / tokens_per_step
         finishes.append(steps * (step_seconds + decoding) - decoding_since)
@@ -157,7 +157,7 @@ def first_token_seconds(queue: list[QueuedPrefill], tokens_per_step: int, step_s
     return finishes
 
 
-def decode_seconds(cost_model: StepCostModel, queue: list[QueuedPrefill]) -> list[float]:
+def decode_growth(cost_model: StepCostModel, queue: list[QueuedPrefill]) -> list[float]:
     """What each queued request's decode adds to a step once it is prefilled: a token and a sequence attending
     to its prompt."""
     empty = cost_model.predict(StepShape())
@@ -177,7 +177,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     `demand_start`: the position the arriving prompt tokens typically start at (their prefix-cache hits).
     The queue's tokens are priced at the position they start at on average (`queued_start`)."""
     position = queued_start(queue)
-    growth = decode_seconds(cost_model, queue)
+    growth = decode_growth(cost_model, queue)
 
     def tokens_within(target: float) -> int:
         return cost_model.max_chunk(decodes, position, token_budget, target)
@@ -206,7 +206,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     first_target = queue[0].ttft_target * ms if queue else None
     floor = max(capped, min(min_chunk, token_budget))
     floor_step = step_of(floor)
-    met_capped = ttft_met(queue, floor, floor_step, decode_seconds=growth)
+    met_capped = ttft_met(queue, floor, floor_step, growth=growth)
     # A drain starts once the cap would get a queued first token later than the drain aims for (BACKLOG_SHARE
     # of its target): found then, the smallest chunk that is on time is a little past the cap; found only
     # when the cap is late, it is a jump (a 130 ms step among 16 ms ones). It ends once the queue is on time
@@ -226,10 +226,10 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(queue, floor, widest_tokens, step_of, growth)
     if tokens is None:
-        # Some first token will be late whatever the chunk: it is not made much later than whole-budget steps
-        # (as fcfs's) would get it out. At the excursion bound of one decode's target, a burst's 13 prompts
-        # were prefilled in 47-token steps, each paying the step's fixed cost and the decodes of those
-        # already done, and the burst's last first token came 0.3-0.5 s after fcfs's.
+        # Some first token will be late within the bound: the queue's last is not made much later than
+        # whole-budget steps (as fcfs's) would get it out. At the excursion bound of one decode's target, a
+        # burst's 13 prompts were prefilled in 47-token steps, each paying the step's fixed cost and the
+        # decodes of those already done, and the burst's last first token came 0.2-0.5 s after fcfs's.
         near_fcfs = no_later_than_whole_steps(queue, floor, token_budget, step_of, growth)
         if near_fcfs > widest_tokens:
             widest_tokens, widest = near_fcfs, step_of(near_fcfs)
@@ -237,7 +237,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     bound = widest if tokens == widest_tokens else max(step_of(tokens), cap_target)
     itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
-                          ttft_met(queue, tokens, step_of(tokens), decode_seconds=growth), itl_cost, demand, paced_ms,
+                          ttft_met(queue, tokens, step_of(tokens), growth=growth), itl_cost, demand, paced_ms,
                           typical.num_sequences)
 
 
@@ -259,11 +259,11 @@ def most_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Calla
     an overload) unless a smaller chunk is predicted to get more first tokens within their targets, then the
     smallest of those. A whole-budget step makes every request wait for all of it: one late long prompt
     queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on time. `growth`:
-    each queued request's decode, once prefilled (`decode_seconds`)."""
-    best, best_met = high, ttft_met(queue, high, step_of(high), decode_seconds=growth)
+    each queued request's decode, once prefilled (`decode_growth`)."""
+    best, best_met = high, ttft_met(queue, high, step_of(high), growth=growth)
     tokens = max(low, 1)
     while tokens < high:
-        met = ttft_met(queue, tokens, step_of(tokens), decode_seconds=growth)
+        met = ttft_met(queue, tokens, step_of(tokens), growth=growth)
         if met > best_met:
             best, best_met = tokens, met
         tokens = max(tokens + 1, math.ceil(SEARCH_GROWTH * tokens))
