@@ -16,6 +16,7 @@ from titan.engine.cost_model import StepCostModel, StepShape, shape_of
 from titan.engine.prefill_budget import (
     QueuedPrefill,
     choose_budget,
+    decode_growth,
     most_on_time,
     queued_start,
     ttft_met,
@@ -712,6 +713,19 @@ def test_slo_policy_drains_for_a_request_already_past_its_ttft() -> None:
         seq.arrival_time -= 12.0
     budget = step(scheduler).budget
     assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 0, 0)
+
+
+def test_decode_growth_is_what_each_request_adds_to_a_step_once_prefilled() -> None:
+    """A decode adds a token and a sequence attending to its prompt; priced from three predictions, it must
+    equal pricing each request's decode on its own."""
+    model = StepCostModel()
+    for i in range(20):
+        model.observe(StepShape(i + 1, i % 3 + 1, 100.0 * i), 0.01 + 0.001 * i)
+    queue = [QueuedPrefill(150 + 7 * i, 0.0, 2.5, 3 * i) for i in range(5)]
+    alone = [model.predict(StepShape().plus(1, item.start_position + item.remaining_tokens))
+             - model.predict(StepShape()) for item in queue]
+    assert decode_growth(model, queue) == pytest.approx(alone)
+    assert len(set(alone)) == len(alone)  # longer prompts cost more: the attention term is in the fit
 
 
 def test_ttft_met_counts_the_requests_predicted_within_their_target() -> None:

@@ -144,6 +144,9 @@ AUTO_ITL_FACTOR = 1.5
 # prefill alone (serving benchmarks set TTFT SLOs at 5-10x the unloaded TTFT), so it follows the machine,
 # the model and the prompt's length.
 AUTO_TTFT_FACTOR = 10.0
+# A slo drain that gets no queue on time keeps the queue's last first token within this factor of its TTFT
+# at whole-budget steps: the throughput rule bounds burst TTFT P99 at 1.1x fcfs's.
+LATE_TTFT_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -182,8 +185,8 @@ class SchedulerConfig:
     max_itl_excursion: float = option(
         10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
              "lets steps run to this many times their ITL target until the queue is on time again, further "
-             "only where a queued request is late even so, to keep the queue's last first token within 1.05x "
-             "of whole-budget steps' (1: never)")
+             "only where a queued request is late even so, to keep the queue's last first token within "
+             f"{LATE_TTFT_SLACK:g}x of whole-budget steps' (1: never)")
     prefill_demand_window_s: float = option(
         10.0, "the slo cap keeps pace with the prompt tokens that arrived over this many seconds, so steady "
               "traffic never builds a backlog (0: the ITL target alone sizes the cap)")

@@ -35,11 +35,11 @@ carries decodes:
   the bound, unless a smaller chunk gets more first tokens within their targets (then the smallest such
   chunk, `most_on_time`); and the bound is widened until the queue's last first token is predicted within
   LATE_TTFT_SLACK of its TTFT at whole-budget steps (fcfs's), the throughput rule's bound on a burst's
-  TTFT P99 (`no_later_than_whole_steps`). A small backlog so costs a small excursion, not the bound's. The drain goes on
-  until the queue is on time at the cap with half of every target to spare (DRAIN_EXIT_SHARE): stopping
-  as soon as the cap looks just fast enough again would leave the backlog's last requests right at their
-  TTFT target, and the queue hovering there would switch between cap and drain step after step. Under a
-  sustained overload the drain never ends, as fcfs never caps.
+  TTFT P99 (`no_later_than_whole_steps`). A small backlog so costs a small excursion, not the bound's. The
+  drain goes on until the queue is on time at the cap with half of every target to spare
+  (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave the backlog's
+  last requests right at their TTFT target, and the queue hovering there would switch between cap and
+  drain step after step. Under a sustained overload the drain never ends, as fcfs never caps.
 
 A step with no decodes has no token gap to protect and takes the whole budget, but once decodes have been
 seen it stays within X x the ITL target of the typical decodes (the scheduler's `_idle_step_bound`): a
@@ -52,6 +52,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from titan.config import LATE_TTFT_SLACK
 from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
 from titan.engine.prefill_demand import DEMAND_HEADROOM, paced_chunk
 
@@ -76,9 +77,6 @@ BACKLOG_SHARE = 0.8
 MAX_PACED_FACTOR = 3.0
 # Chunk sizes a drain that gets no queue on time compares grow by this factor (most_on_time).
 SEARCH_GROWTH = 1.25
-# A drain that gets no queue on time keeps the queue's last first token within this factor of its TTFT at
-# whole-budget steps: the throughput rule bounds burst TTFT P99 at 1.1x fcfs's.
-LATE_TTFT_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -159,10 +157,12 @@ def first_token_seconds(queue: list[QueuedPrefill], tokens_per_step: int, step_s
 
 def decode_growth(cost_model: StepCostModel, queue: list[QueuedPrefill]) -> list[float]:
     """What each queued request's decode adds to a step once it is prefilled: a token and a sequence attending
-    to its prompt."""
+    to its prompt. A step's predicted cost is linear in that context, so three predictions price the whole
+    queue (one per request cost ~3 us each, every step, on a queue that can hold hundreds)."""
     empty = cost_model.predict(StepShape())
-    return [cost_model.predict(StepShape().plus(1, item.start_position + item.remaining_tokens)) - empty
-            for item in queue]
+    at_start = cost_model.predict(StepShape().plus(1, 0)) - empty
+    per_position = cost_model.predict(StepShape().plus(1, 1)) - empty - at_start
+    return [at_start + per_position * (item.start_position + item.remaining_tokens) for item in queue]
 
 
 def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: int, itl_target: float,
