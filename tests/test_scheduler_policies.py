@@ -715,6 +715,28 @@ def test_slo_policy_drains_for_a_request_already_past_its_ttft() -> None:
     assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 0, 0)
 
 
+def test_the_scheduler_reads_the_time_from_its_clock() -> None:
+    """On a virtual clock (benchmarks/policy_replay.py steps the scheduler on one) a request's wait is the
+    clock's: a 40-token prompt is on time when queued and late once the clock has moved 12 s, past its 10 s
+    target, with no wall-clock time passing."""
+    now = [1000.0]
+    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=245.0, ttft_target_ms=10_000,
+                             max_itl_excursion=4.0, prefill_demand_window_s=0.0)
+    scheduler = Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01),
+                          clock=lambda: now[0])
+    decoders = [Sequence(list(range(10 * n + 100, 10 * n + 104)), SamplingParams(max_tokens=500, ignore_eos=True),
+                         arrival_time=now[0]) for n in range(2)]
+    for seq in decoders:
+        scheduler.add(seq)
+    step(scheduler)
+    scheduler.add(Sequence(list(range(200, 240)), SamplingParams(max_tokens=5, ignore_eos=True),
+                           arrival_time=now[0]))
+    assert step(scheduler).budget.reason == "itl_cap"  # 12 of its 40 tokens: on time at the cap
+    now[0] += 12.0
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.queued, budget.ttft_met) == ("backlog", 1, 0)
+
+
 def test_decode_growth_is_what_each_request_adds_to_a_step_once_prefilled() -> None:
     """A decode adds a token and a sequence attending to its prompt; priced from three predictions, it must
     equal pricing each request's decode on its own."""

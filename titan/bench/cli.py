@@ -124,7 +124,10 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 @dataclass
-class _Setup:
+class RunSetup:
+    """What one `titan bench` command line asks for: the requests, their arrival times, how to send them.
+    benchmarks/policy_replay.py builds the same requests from default_policy.py's command lines."""
+
     workload: Any
     run_config: Any
     arrivals: Any
@@ -133,7 +136,7 @@ class _Setup:
     rates: list[float] | None  # sweep rates; None: one run (empty list: auto)
 
 
-def _setup(args: argparse.Namespace) -> _Setup:
+def setup_run(args: argparse.Namespace) -> RunSetup:
     from titan.bench.analysis import Slo
     from titan.bench.arrivals import ArrivalProcess
     from titan.bench.report import AnalysisOptions
@@ -179,7 +182,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         if args.sweep == "auto" and math.isinf(rate):
             raise ValueError("--sweep auto needs a finite starting --request-rate")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return _Setup(
+    return RunSetup(
         workload=workload,
         run_config=RunConfig(
             base_url=args.base_url, model=args.model or "", endpoint=args.endpoint, num_requests=num_requests,
@@ -199,7 +202,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     )
 
 
-def _config_dict(args: argparse.Namespace, setup: _Setup, rate: float) -> dict[str, Any]:
+def _config_dict(args: argparse.Namespace, setup: RunSetup, rate: float) -> dict[str, Any]:
     arrivals = setup.arrivals
     return {
         "request_rate": None if math.isinf(rate) else rate, "burstiness": arrivals.burstiness,
@@ -212,7 +215,7 @@ def _config_dict(args: argparse.Namespace, setup: _Setup, rate: float) -> dict[s
     }
 
 
-async def _one_run(args: argparse.Namespace, setup: _Setup, rate: float) -> tuple[dict[str, Any], Any]:
+async def _one_run(args: argparse.Namespace, setup: RunSetup, rate: float) -> tuple[dict[str, Any], Any]:
     from dataclasses import replace
     from importlib.metadata import PackageNotFoundError, version
 
@@ -245,7 +248,7 @@ def _finish(args: argparse.Namespace, report: dict[str, Any], run: Any, director
         print("wrote " + ", ".join(str(path) for path in written))
 
 
-async def _sweep(args: argparse.Namespace, setup: _Setup) -> int:
+async def _sweep(args: argparse.Namespace, setup: RunSetup) -> int:
     from titan.bench.report import write_json
 
     target = args.slo_attainment
@@ -298,7 +301,7 @@ async def _sweep(args: argparse.Namespace, setup: _Setup) -> int:
     return 0
 
 
-async def _main(args: argparse.Namespace, setup: _Setup) -> int:
+async def _main(args: argparse.Namespace, setup: RunSetup) -> int:
     from titan.bench.client import make_client, wait_for_model
 
     if not setup.run_config.model or args.wait_for_server > 0:
@@ -321,7 +324,7 @@ async def _main(args: argparse.Namespace, setup: _Setup) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     try:
-        setup = _setup(args)
+        setup = setup_run(args)
     except (ValueError, OSError) as error:
         print(f"titan bench: {error}", file=sys.stderr)
         return 2

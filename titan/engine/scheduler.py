@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 
 from titan.config import AUTO_TTFT_FACTOR, SchedulerConfig
 from titan.engine.block_manager import BlockManager, cdiv
@@ -79,8 +80,11 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         cost_model: StepCostModel | None = None,
         speculation: SpeculationPlanner | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        # Every time the scheduler reads (arrivals, waits, aging): a replay drives it on a virtual clock.
+        self.clock = clock
         self.speculation = speculation
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -137,7 +141,7 @@ class Scheduler:
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
         if self.demand is not None:
-            self.demand.record(seq.seq_id, seq.num_prompt_tokens, time.monotonic(), self._cache_hit(seq))
+            self.demand.record(seq.seq_id, seq.num_prompt_tokens, self.clock(), self._cache_hit(seq))
 
     @property
     def has_unfinished(self) -> bool:
@@ -146,7 +150,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(self.config.max_num_batched_tokens)
-        now = time.monotonic()
+        now = self.clock()
         if not self.running:
             self.typical_decodes.forget()
         # Decodes first: a long prompt that is still prefilling must never starve them of budget.
@@ -329,7 +333,7 @@ class Scheduler:
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         if not self.uses_priority:
             return prefilling + list(self.waiting)
-        now = time.monotonic()
+        now = self.clock()
         key = self._waiting_key(seq, now)
         waiting = [s for s in self.waiting if self._waiting_key(s, now) < key]
         if self.config.policy == "priority":
@@ -374,7 +378,7 @@ class Scheduler:
         if not self.uses_priority or not self.running:
             return False
         victim = self.running[-1]
-        if seq.priority >= victim.priority or self._aged_priority(seq, time.monotonic()) >= victim.effective_priority:
+        if seq.priority >= victim.priority or self._aged_priority(seq, self.clock()) >= victim.effective_priority:
             return False
         self._preempt(victim, step)
         return True
@@ -403,7 +407,7 @@ class Scheduler:
         seq.num_recomputed_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.preempted_at = time.monotonic()
+        seq.preempted_at = self.clock()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -438,7 +442,7 @@ class Scheduler:
                 seq.prompt_logprobs[chunk.first_position:chunk.first_position + len(chunk.entries)] = chunk.entries
         advanced: dict[int, Advanced] = {}
         stopped: dict[int, tuple[Sequence, SequenceStatus]] = {}
-        now = time.monotonic()
+        now = self.clock()
         for seq_id, token_id, entry in zip(runner_output.seq_ids, runner_output.token_ids, runner_output.logprobs,
                                            strict=True):
             seq = self.sequences.get(seq_id)
@@ -499,7 +503,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
-        seq.finished_time = time.monotonic()
+        seq.finished_time = self.clock()
         self.sequences.pop(seq.seq_id, None)
 
     def abort(self, seq_id: int) -> Sequence | None:
