@@ -104,6 +104,13 @@ class Replay:
         self.noise = noise
         self.rng = np.random.default_rng(seed)
         self.cost_model = StepCostModel()  # fitted online, as the engine's
+        # The served cells start on a warm server (warm-up, calibration, earlier cells): so does the fit here.
+        for decodes, chunk in itertools.product((1, 4, 16), (0, 64, 256)):
+            shape = StepShape()
+            for _ in range(decodes):
+                shape = shape.plus(1, 200)
+            shape = shape.plus(chunk, 0) if chunk else shape
+            self.cost_model.observe(shape, self.seconds(shape))
         self.scheduler = Scheduler(SchedulerConfig(policy=policy), BlockManager(kv_blocks, 16), 1 << 20,
                                    frozenset(), self.cost_model, clock=lambda: self.now)
 

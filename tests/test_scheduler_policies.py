@@ -447,10 +447,10 @@ def test_slo_policy_drains_a_backlog_at_the_excursion_bound_until_half_the_targe
 
 
 def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
-    """One queued 300-token prompt (steady traffic) with an 8 s TTFT target: capped it is done in 6 s, within
-    the 6.4 s a drain would aim for, so the step stays capped, and the decodes keep their gaps. With a 7 s
-    target the cap would still be on time, but past the drain's 5.6 s: the drain starts now, with a step just
-    past the cap (14 tokens, 300 / 14 x 0.26 s = 5.57 s) rather than later with a jump."""
+    """One queued 300-token prompt (steady traffic) with an 8 s TTFT target: capped it is done in 6 s, so the
+    step stays capped, and the decodes keep their gaps. With a 5.7 s target the cap would get it out late: the
+    drain starts now, with a step just past the cap (14 tokens, 300 / 14 x 0.26 s = 5.57 s) rather than later
+    with a jump."""
     scheduler = budget_scheduler(ttft_target_ms=8_000)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 1, 300)
@@ -458,11 +458,11 @@ def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
     assert output.budget.reason == "itl_cap" and output.budget.ttft_met_capped == 1
     assert output.num_batched_tokens == 2 + 12
     assert [seq.itl_excursions for seq in decoders] == [0, 0]
-    early = budget_scheduler(ttft_target_ms=7_000)
+    early = budget_scheduler(ttft_target_ms=5_700)
     with_two_decodes(early)
     queue_now(early, 1, 300)
     budget = step(early).budget
-    assert (budget.reason, budget.ttft_met_capped, budget.prefill_tokens) == ("backlog", 1, 14)
+    assert (budget.reason, budget.ttft_met_capped, budget.prefill_tokens) == ("backlog", 0, 14)
 
 
 @pytest.mark.parametrize(("prompt", "chunk"), [(202, 5), (602, 24)])
@@ -586,17 +586,18 @@ def test_a_drain_keeps_pace_with_the_arrivals_without_pacing_headroom() -> None:
 def test_slo_policy_drains_a_small_backlog_with_a_small_excursion() -> None:
     """Four queued 40-token prompts with a 3.1 s target. Capped (12 tokens per 0.24 s step) the last is done in
     14 steps, 3.36 s: late, a backlog. The excursion bound (0.98 s steps) would clear it in two steps; the
-    drain takes the smallest step that gets every first token within 0.8 of its target (2.48 s) instead, steps
-    counted as a fraction, each prefilled prompt's 0.01 s decode added to every later step: 160 / b x (0.12 +
-    0.01 b) + 0.01 x (3 x 160 - 240) / b <= 2.48 s, b = 25 tokens in 0.37 s steps."""
+    drain takes the smallest step that gets every first token within its target instead, steps counted as a
+    fraction, each prefilled prompt's 0.01 s decode added to every later step: 160 / b x (0.12 + 0.01 b) +
+    0.01 x (3 x 160 - 240) / b <= 3.1 s, b = 15 tokens in 0.27 s steps. The budget's count is in whole steps
+    (11 for the last, which ends a fraction of a step past its target): 3 of 4, as at the cap."""
     scheduler = budget_scheduler(ttft_target_ms=3_100)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 4, 40)
     output = step(scheduler)
     budget = output.budget
-    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 3, 4)
-    assert budget.prefill_tokens == 25 and budget.step_target_ms == pytest.approx(370.0)
-    assert output.num_batched_tokens == 2 + 25
+    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 3, 3)
+    assert budget.prefill_tokens == 15 and budget.step_target_ms == pytest.approx(270.0)
+    assert output.num_batched_tokens == 2 + 15
     assert [seq.itl_excursions for seq in decoders] == [1, 1]
 
 
