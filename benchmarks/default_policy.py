@@ -116,14 +116,19 @@ def calibrate(server: ServerProcess, model: str, presets: tuple[str, ...], reque
 
 
 def cell_stats(report: dict[str, Any], slo: Slo) -> dict[str, Any]:
-    results = [RequestResult.from_dict(data) for data in report["requests"]]
+    summary = report["summary"]
+    return results_stats([RequestResult.from_dict(data) for data in report["requests"]], slo,
+                         summary["duration_s"], summary["output_token_throughput"])
+
+
+def results_stats(results: list[RequestResult], slo: Slo, duration_s: float, output_tok_s: float) -> dict[str, Any]:
+    """One server's numbers for a cell: TTFT and gaps of the requests that succeeded, goodput of all sent."""
     ok = [r for r in results if r.success]
     itl = summarize([gap for r in ok for gap in r.itls])
     ttft = summarize([r.ttft for r in ok if r.ttft is not None])
-    summary = report["summary"]
-    good = goodput(results, slo, summary["duration_s"])
+    good = goodput(results, slo, duration_s)
     return {"requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
-            "output_tok_s": summary["output_token_throughput"], "ttft_ms": ttft, "itl_ms": itl,
+            "output_tok_s": output_tok_s, "ttft_ms": ttft, "itl_ms": itl,
             "goodput_rps": good["goodput_rps"], "good": good["good"], "attainment": good["attainment"]}
 
 

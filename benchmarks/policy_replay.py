@@ -36,10 +36,11 @@ from default_policy import (
     Calibration,
     closed_loop_args,
     evaluate,
+    results_stats,
     workload_args,
 )
 
-from titan.bench.analysis import Slo, goodput, summarize
+from titan.bench.analysis import Slo
 from titan.bench.cli import add_arguments, setup_run
 from titan.bench.client import RequestResult
 from titan.config import SchedulerConfig
@@ -155,14 +156,9 @@ class Replay:
 
 
 def cell(results: list[RequestResult], slo: Slo) -> dict[str, Any]:
-    """default_policy.py's cell_stats, from replayed results."""
+    """default_policy.py's numbers for a cell, over the replay's span (first due to last finished)."""
     span = max(r.finished_at for r in results) - min(r.scheduled_at for r in results)
-    good = goodput(results, slo, span)
-    return {"requests": len(results), "ok": len(results), "errors": 0,
-            "output_tok_s": sum(r.completion_tokens or 0 for r in results) / span,
-            "ttft_ms": summarize([r.ttft for r in results if r.ttft is not None]),
-            "itl_ms": summarize([gap for r in results for gap in r.itls]),
-            "goodput_rps": good["goodput_rps"], "good": good["good"], "attainment": good["attainment"]}
+    return results_stats(results, slo, span, sum(r.completion_tokens or 0 for r in results) / span)
 
 
 def calibrate(args: argparse.Namespace, presets: list[str], law: tuple[float, ...]) -> Calibration:
