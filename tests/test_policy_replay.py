@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from policy_replay import BUSIEST_WINDOW_S, Replayed, busiest_load, work_seconds  # noqa: E402
 
 
 def replay(output: Path, *extra: str) -> dict:
@@ -30,6 +35,12 @@ def test_a_replay_serves_every_request_under_both_policies_and_repeats_exactly(t
     # The two draws are different arrivals; the targets are default_policy.py's, counted per draw.
     assert first["draws"][0]["cells"] != first["draws"][1]["cells"]
     assert set(first["pass_counts"]) >= {"burst@0.7: TTFT P99 <= 1.1 x fcfs", "storm@0.7: ITL P99 <= 2 x P50"}
+    # Each target's draws are split by whether the cell's busiest window stayed within capacity.
+    for name, sides in first["pass_counts_by_load"].items():
+        assert sum(total for _, total in sides.values()) == 2
+        assert sum(passed for passed, _ in sides.values()) == first["pass_counts"][name]
+    for draw in first["draws"]:
+        assert all(cell["busiest_load"] > 0 for cell in draw["cells"].values())
     # No wall clock anywhere: the same command gives the same numbers.
     assert replay(tmp_path / "second.json")["draws"] == first["draws"]
 
@@ -39,3 +50,15 @@ def test_step_noise_changes_the_replay(tmp_path: Path) -> None:
     noisy = replay(tmp_path / "noisy.json", "--noise", "0.1")
     assert noisy["noise"] == 0.1
     assert noisy["draws"][0]["cells"]["storm@0.7"] != quiet["draws"][0]["cells"]["storm@0.7"]
+
+
+def test_the_busiest_window_is_the_most_work_arriving_in_any_window_over_capacity() -> None:
+    law = (2.9, 2.0, 1.0, 0.0)  # ms: a prompt token costs 2, an output token 2 + 1
+    one = Replayed(0, 0.0, list(range(100)), 10)
+    assert work_seconds(one, law) == pytest.approx((100 * 2.0 + 10 * 3.0) / 1000.0)
+    # three requests close together, a fourth a whole window later: the busiest window holds three
+    dues = [0.0, 1.0, 2.0, 2.0 + BUSIEST_WINDOW_S]
+    requests = [Replayed(i, due, list(range(100)), 10) for i, due in enumerate(dues)]
+    capacity = 0.05  # work seconds served per second
+    assert busiest_load(requests, law, capacity) == pytest.approx(3 * 0.23 / (BUSIEST_WINDOW_S * capacity))
+    assert busiest_load([], law, capacity) == 0.0
