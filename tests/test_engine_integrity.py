@@ -38,7 +38,10 @@ def check_extension(engine: LLMEngine, reference: LLM, prompt: list[int], max_ca
     assert output.token_ids == expected.token_ids
     for got, want in zip(output.logprobs or [], expected.logprobs or [], strict=True):
         assert got.token_id == want.token_id
-        assert got.logprob == pytest.approx(want.logprob, abs=2e-3)
+        # The reference prefills in one step, this engine in 8-token chunks through the narrow-step path:
+        # the sums run in another order. On an AVX2-only EPYC a fresh engine chunked so, no cache in play,
+        # differs by 2.1e-3, while one zeroed 4-token block in a 12-token cached prefix moves them by 0.068.
+        assert got.logprob == pytest.approx(want.logprob, abs=5e-3)
 
 
 def test_a_request_displaced_in_the_step_that_scheduled_it_leaves_no_cache_entry(reference: LLM) -> None:

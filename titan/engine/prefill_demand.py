@@ -15,7 +15,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
+from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing, within
 
 # Prefill at least this much faster than prompts arrive: arrivals are bursty (Poisson), and a cap that only
 # matched the mean would let the queue's random walk reach a backlog anyway.
@@ -146,7 +146,7 @@ def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int
         return 0
 
     def keeps_pace(chunk: int) -> bool:
-        return chunk >= tokens_per_second * cost_model.predict(decodes.plus(chunk, start_position))
+        return within(tokens_per_second * cost_model.predict(decodes.plus(chunk, start_position)), chunk)
 
     if not keeps_pace(token_budget):
         return token_budget
