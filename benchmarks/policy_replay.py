@@ -136,12 +136,15 @@ class Replay:
         while pending or self.scheduler.has_unfinished:
             while pending and start + pending[0].due <= self.now and (in_flight is None or len(active) < in_flight):
                 request = pending.pop(0)
+                # Sent when due (the server stamps a request when its HTTP request comes in, also while a step
+                # runs); a closed loop sends the next one when a slot frees.
+                sent = self.now - start if in_flight is not None else request.due
                 seq = Sequence(request.prompt, SamplingParams(max_tokens=request.max_tokens, ignore_eos=True),
-                               arrival_time=self.now)
+                               arrival_time=start + sent)
                 self.scheduler.add(seq)
                 active[seq.seq_id] = results[request.index] = RequestResult(
                     request.index, "default", len(request.prompt), request.max_tokens, request.due,
-                    sent_at=self.now - start, status=200, prompt_tokens=len(request.prompt))
+                    sent_at=sent, status=200, prompt_tokens=len(request.prompt))
             if not self.scheduler.has_unfinished:
                 self.now = start + pending[0].due
                 continue

@@ -22,7 +22,14 @@ from titan.engine.prefill_budget import (
     ttft_met,
     ttft_target_seconds,
 )
-from titan.engine.prefill_demand import MAX_TRACKED_ARRIVALS, PrefillDemand, TypicalDecodes, paced_chunk
+from titan.engine.prefill_demand import (
+    BATCH_WINDOW_SECONDS,
+    MAX_TRACKED_ARRIVALS,
+    ArrivalBatches,
+    PrefillDemand,
+    TypicalDecodes,
+    paced_chunk,
+)
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -382,13 +389,14 @@ def test_cost_model_rebuilt_from_decodes_alone_still_prices_a_prefill() -> None:
 
 
 def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0, demand_window_s: float = 0.0,
-                     itl_slo_ms: float = 245.0) -> Scheduler:
+                     itl_slo_ms: float = 245.0, batch_min_requests: int = 0) -> Scheduler:
     """slo, ITL target 0.245 s, 0.1 s per step + 0.01 s per token: seconds-scale costs, so the few
     milliseconds a test takes between queuing and scheduling never move a TTFT across its target. Pacing
-    to the prompt arrival rate is off unless a test is about it (its prompts all arrive at once)."""
+    to the prompt arrival rate is off unless a test is about it, and so are batch drains (its prompts all
+    arrive at once)."""
     config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=itl_slo_ms,
                              ttft_target_ms=ttft_target_ms, max_itl_excursion=max_itl_excursion,
-                             prefill_demand_window_s=demand_window_s)
+                             prefill_demand_window_s=demand_window_s, batch_min_requests=batch_min_requests)
     return Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01))
 
 
@@ -601,6 +609,40 @@ def test_slo_policy_drains_a_small_backlog_with_a_small_excursion() -> None:
     assert [seq.itl_excursions for seq in decoders] == [1, 1]
 
 
+def test_requests_arriving_within_the_batch_window_are_one_batch() -> None:
+    batches = ArrivalBatches()
+    window = BATCH_WINDOW_SECONDS
+    for seq_id, at in enumerate([10.0, 10.0 + 0.25 * window, 10.0 + 0.5 * window, 10.0 + window]):
+        batches.record(seq_id, at)
+    # past the window of the batch's first arrival, though close to the one before: a new batch
+    batches.record(4, 10.0 + 1.1 * window)
+    assert [batches.size(seq_id) for seq_id in range(5)] == [4, 4, 4, 4, 1]
+    batches.forget(0)
+    assert batches.size(0) == 1 and batches.size(1) == 4  # the others keep their batch
+    assert batches.size(99) == 1
+
+
+def test_slo_policy_prefills_a_batch_that_arrived_together_at_the_whole_budget() -> None:
+    """Four 40-token prompts arrive together beside two decodes, TTFT target 40 s: at the cap (12 tokens a
+    0.24 s step) every first token is on time, so three such prompts stay capped. Four are a batch, done
+    when its last request is: the step takes the whole budget, as fcfs would, all 160 tokens in one 1.72 s
+    step, and the decodes take the gap."""
+    for count, reason, prefill in ((3, "itl_cap", 12), (4, "batch", 160)):
+        scheduler = budget_scheduler(ttft_target_ms=40_000, batch_min_requests=4)
+        decoders = with_two_decodes(scheduler)
+        queue_now(scheduler, count, 40)
+        output = step(scheduler)
+        assert (output.budget.reason, output.num_batched_tokens) == (reason, 2 + prefill)
+        assert [seq.itl_excursions for seq in decoders] == [int(reason == "batch")] * 2
+    assert output.budget.prefill_tokens == 256 - 2
+    assert output.budget.step_target_ms == pytest.approx(1000.0 * (0.1 + 0.01 * 256))
+    # Off (0), the same batch is capped.
+    scheduler = budget_scheduler(ttft_target_ms=40_000)
+    with_two_decodes(scheduler)
+    queue_now(scheduler, 4, 40)
+    assert step(scheduler).budget.reason == "itl_cap"
+
+
 def follow_a_hot_prefix(scheduler: Scheduler) -> Sequence:
     """Two decodes mid-stream, a 40-token prompt computed (its 10 full blocks now cached), then queued: a
     prompt of those 40 tokens and an 8-token suffix of its own."""
@@ -786,6 +828,8 @@ def test_scheduler_config_checks_the_goodput_options() -> None:
         SchedulerConfig(policy="slo", max_itl_excursion=0.5)
     with pytest.raises(ValueError, match="prefill_demand_window_s"):
         SchedulerConfig(policy="slo", prefill_demand_window_s=-1.0)
+    with pytest.raises(ValueError, match="batch_min_requests"):
+        SchedulerConfig(policy="slo", batch_min_requests=-1)
 
 
 def test_auto_ttft_target_follows_the_prompt_length() -> None:

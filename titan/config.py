@@ -190,6 +190,9 @@ class SchedulerConfig:
     prefill_demand_window_s: float = option(
         10.0, "the slo cap keeps pace with the prompt tokens that arrived over this many seconds, so steady "
               "traffic never builds a backlog (0: the ITL target alone sizes the cap)")
+    batch_min_requests: int = option(
+        4, "slo: a queue holding this many requests that arrived together (within 100 ms of the first: a "
+           "fan-out, an eval job, a burst) is prefilled at the whole token budget, as fcfs would (0: never)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -212,6 +215,8 @@ class SchedulerConfig:
             raise ValueError(f"ttft_target_ms must be a number of milliseconds or auto, not {self.ttft_target_ms!r}")
         if isinstance(self.ttft_target_ms, int | float) and self.ttft_target_ms <= 0:
             raise ValueError("ttft_target_ms must be positive")
+        if self.batch_min_requests < 0:
+            raise ValueError("batch_min_requests must be non-negative (0: never)")
         if self.max_itl_excursion < 1.0:
             raise ValueError("max_itl_excursion must be at least 1 (1: never exceed the ITL target)")
         if self.prefill_demand_window_s < 0:

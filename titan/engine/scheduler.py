@@ -25,7 +25,7 @@ from titan.engine.prefill_budget import (
     choose_budget,
     ttft_target_seconds,
 )
-from titan.engine.prefill_demand import PrefillDemand, TypicalDecodes
+from titan.engine.prefill_demand import ArrivalBatches, PrefillDemand, TypicalDecodes
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence, SequenceStatus
 from titan.engine.spec.planner import SpeculationPlanner
@@ -99,6 +99,7 @@ class Scheduler:
         window = config.prefill_demand_window_s
         self.demand = PrefillDemand(window) if config.policy == "slo" and window > 0 else None
         self.typical_decodes = TypicalDecodes()
+        self.batches = ArrivalBatches()
 
     def _rank(self, seq: Sequence) -> tuple[float, float, int]:
         """Order of running sequences (victims come from the end). Lower priority value runs first, as
@@ -142,6 +143,8 @@ class Scheduler:
         self.waiting.append(seq)
         if self.demand is not None:
             self.demand.record(seq.seq_id, seq.num_prompt_tokens, self.clock(), self._cache_hit(seq))
+        if self.config.policy == "slo":
+            self.batches.record(seq.seq_id, seq.arrival_time)
 
     @property
     def has_unfinished(self) -> bool:
@@ -242,7 +245,8 @@ class Scheduler:
         for seq in queue:
             start, cached = starts[seq.seq_id]
             queued.append(QueuedPrefill(seq.num_tokens - start, now - seq.arrival_time, ttft_target_seconds(
-                config.ttft_target_ms, model, seq.num_tokens - cached, AUTO_TTFT_FACTOR, cached), start))
+                config.ttft_target_ms, model, seq.num_tokens - cached, AUTO_TTFT_FACTOR, cached), start,
+                self.batches.size(seq.seq_id)))
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
         typical = self.typical_decodes.observe(step.decode_shape, now)
@@ -250,7 +254,7 @@ class Scheduler:
         demand_start = self.demand.start_position() if self.demand is not None else 0
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk, demand,
-                                 typical, demand_start)
+                                 typical, demand_start, config.batch_min_requests)
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
@@ -505,6 +509,7 @@ class Scheduler:
         seq.status = status
         seq.finished_time = self.clock()
         self.sequences.pop(seq.seq_id, None)
+        self.batches.forget(seq.seq_id)
 
     def abort(self, seq_id: int) -> Sequence | None:
         seq = self.sequences.get(seq_id)
