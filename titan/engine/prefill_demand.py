@@ -26,10 +26,10 @@ MAX_TRACKED_ARRIVALS = 4096  # bounds the memory whatever the arrival rate
 # enough that a few wide or narrow steps do not move the pace, short enough to follow the load.
 TYPICAL_DECODES_SECONDS = 5.0
 # Requests arriving within this many seconds of the first of them are one batch (a client that fans out, an
-# eval job, `titan bench --preset burst`). Sent within 10 ms, five requests reached the server's handlers
-# too far apart for a 20 ms chain while a step ran (AVX2 EPYC, burst@0.7: 4 batch steps in the cell, TTFT
-# P99 1.49x fcfs's). Poisson traffic brings four arrivals within 0.1 s about once in 2,000 requests at
-# 1.5 req/s, once in 280 at 3 req/s.
+# eval job, `titan bench --preset burst`). A 20 ms chain (each within 20 ms of the one before) missed bursts
+# the bench sent within 10 ms (AVX2 EPYC, burst@0.7: 4 batch steps in the cell, TTFT P99 1.49x fcfs's); the
+# server stamps arrivals in its HTTP handlers, and those stamps landed further apart. Poisson traffic brings
+# four arrivals within 0.1 s about once in 2,000 requests at 1.5 req/s, once in 280 at 3 req/s.
 BATCH_WINDOW_SECONDS = 0.1
 
 
