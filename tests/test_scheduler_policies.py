@@ -473,13 +473,13 @@ def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
     assert (budget.reason, budget.ttft_met_capped, budget.prefill_tokens) == ("backlog", 0, 14)
 
 
-@pytest.mark.parametrize(("prompt", "chunk"), [(202, 5), (602, 24)])
+@pytest.mark.parametrize(("prompt", "chunk"), [(202, 9), (602, 24)])
 def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: int) -> None:
     """ITL target 0.15 s: a capped step holds 3 prefill tokens (0.12 + 0.03 s), 20 tokens/s. 210 prompt tokens
-    arrived just now, at the start of a busy spell: over a quarter of the 40 s window, 21 tokens/s, 26.25 with
-    the headroom. The one queued prompt is on time at the cap, but the cap is slower than the arrivals, so it
-    widens to the smallest chunk that keeps pace: b >= 26.25 (0.12 + 0.01 b), 5 tokens. With 610 tokens (76.25
-    tokens/s with the headroom) pacing would need 39 tokens, a 0.51 s step; it stops at three times the
+    arrived just now, at the start of a busy spell: over a quarter of the 40 s window, 21 tokens/s, 42 with
+    the 2x headroom. The one queued prompt is on time at the cap, but the cap is slower than the arrivals, so
+    it widens to the smallest chunk that keeps pace: b >= 42 (0.12 + 0.01 b), 9 tokens. With 610 tokens (122
+    tokens/s with the headroom) no chunk keeps pace (each token takes 0.01 s); pacing stops at three times the
     decodes' own step, 0.36 s and 24 tokens, and the queue waits within its 40 s target."""
     scheduler = budget_scheduler(ttft_target_ms=40_000, demand_window_s=40.0, itl_slo_ms=150.0)
     decoders = with_two_decodes(scheduler)  # 2 x 4 prompt tokens
@@ -597,8 +597,8 @@ def test_a_drain_keeps_pace_with_the_arrivals_without_pacing_headroom() -> None:
     TTFT target makes the queue a backlog that no chunk gets on time, so the drain takes its widest step, the
     longest of the excursion bound (1.5 x 0.15 s), the paced step (0.36 s: three times the two decodes' 0.12 s)
     and the step that keeps pace with the arrivals (61 tokens/s: 19 tokens, 0.31 s): 0.36 s. With pacing's
-    1.25x headroom that last one would be 39 tokens, 0.51 s, and one long prompt in the window made every
-    drain step that long."""
+    2x headroom (122 tokens/s) no chunk would keep pace and the drain would take the whole budget, 2.66 s;
+    with 1.25x, 39 tokens and 0.51 s: one long prompt in the window made every drain step that long."""
     scheduler = budget_scheduler(ttft_target_ms=40_000, max_itl_excursion=1.5, demand_window_s=40.0,
                                  itl_slo_ms=150.0)
     with_two_decodes(scheduler)
