@@ -573,8 +573,6 @@ def test_slo_policy_bounds_a_step_without_decodes_once_decodes_were_seen() -> No
     assert step(unbounded).num_batched_tokens == 256
 
 
-
-
 def test_slo_policy_prefills_a_batch_at_the_whole_budget_with_nobody_mid_stream() -> None:
     """Decodes were seen, so a step without decodes is bounded (0.6 s: 50 of a 400-token prompt's tokens).
     Four 100-token prompts that arrived together are a batch: the step takes the whole budget (256 tokens,
@@ -592,6 +590,8 @@ def test_slo_policy_prefills_a_batch_at_the_whole_budget_with_nobody_mid_stream(
         output = step(scheduler)
         assert (output.budget.reason, output.num_batched_tokens) == (reason, tokens)
         assert (output.budget.step_target_ms is None) == (reason == "batch")
+
+
 def test_a_drain_keeps_pace_with_the_arrivals_without_pacing_headroom() -> None:
     """610 prompt tokens arrived, 61 tokens/s over a quarter of the 40 s window. A request already past its
     TTFT target makes the queue a backlog that no chunk gets on time, so the drain takes its widest step, the
