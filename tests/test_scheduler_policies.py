@@ -218,7 +218,7 @@ def test_slo_policy_lets_a_short_prompt_pass_a_long_prefill() -> None:
     scheduler.add(long_prompt)
     step(scheduler)
     assert long_prompt.status is SequenceStatus.RUNNING and 0 < long_prompt.num_computed_tokens < 400
-    short = sequence(20, arrival=2.0)  # arrives later, but has less left to compute
+    short = sequence(20, arrival=2.0)  # arrives later, but its deadline (2.0 + 10 x 30 ms) is the earlier
     scheduler.add(short)
     scheduled = {s.seq_id: s.num_new_tokens for s in step(scheduler).scheduled}
     assert scheduled[short.seq_id] == 20 and scheduled.get(long_prompt.seq_id, 0) <= 9
@@ -251,9 +251,26 @@ def test_ahead_of_is_the_queued_work_each_policy_runs_first() -> None:
             assert ahead == [prefilling, long_batch, long_interactive, short]
         elif policy == "priority":
             assert ahead == [prefilling, long_interactive, short]
-        else:  # slo: within a priority level, the earliest arrival + 10x the predicted prefill of what is left
-            # (newcomer 4.0 + 10 x 40 ms = 4.4 s; prefilling 0.96, short 3.3, long_interactive 4.6)
+        else:  # slo: within a priority level, the earliest arrival + 10x the predicted prefill of the prompt
+            # (newcomer 4.0 + 10 x 40 ms = 4.4 s; prefilling 1.6, short 3.3, long_interactive 4.6)
             assert ahead == [prefilling, short]
+
+
+def test_slo_policy_orders_prefills_by_their_own_deadline_not_by_what_is_left() -> None:
+    """10 ms per step + 1 ms per token. A 400-token prompt (arrival 1.0, deadline 1.0 + 10 x 0.41 s = 5.1 s)
+    has 20 tokens left; a 30-token prompt arrives at 2.0 (deadline 2.0 + 10 x 0.04 s = 2.4 s) and goes
+    first. Keyed by what was left, the long prompt's deadline had moved up to 1.0 + 10 x 0.03 s = 1.3 s, and
+    the short one queued behind it."""
+    scheduler = make(policy="slo", budget=380, num_blocks=256, itl_slo_ms=1000.0,
+                     cost_model=fixed_cost_model(0.010, 0.001))
+    long_prompt = sequence(400, arrival=1.0)
+    scheduler.add(long_prompt)
+    step(scheduler)
+    assert long_prompt.status is SequenceStatus.RUNNING and long_prompt.num_computed_tokens == 380
+    short = sequence(30, arrival=2.0)
+    assert scheduler.ahead_of(short) == []
+    scheduler.add(short)
+    assert [s.seq_id for s in step(scheduler).scheduled] == [short.seq_id, long_prompt.seq_id]
 
 
 def test_slo_policy_keeps_arrival_order_among_like_prompts() -> None:

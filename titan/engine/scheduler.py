@@ -163,7 +163,7 @@ class Scheduler:
         prefills = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
         deferred: list[Sequence] = []
         if self.config.policy == "slo" and self.waiting:
-            # A prefill already running yields to a waiting one with less left to do (see _prefill_key).
+            # A prefill already running yields to a waiting one with an earlier deadline (see _prefill_key).
             best_waiting = min(self._prefill_key(seq, now) for seq in self.waiting)
             prefills.sort(key=lambda seq: self._prefill_key(seq, now))
             deferred = [seq for seq in prefills if self._prefill_key(seq, now) > best_waiting]
@@ -248,7 +248,7 @@ class Scheduler:
         # Each waiting prompt's cache hit once: the order and the queue's positions both need it.
         starts = {seq.seq_id: self._prefill_start(seq) for seq in prefilling + list(self.waiting)}
         queue = sorted(prefilling + list(self.waiting),
-                       key=lambda seq: self._prefill_key(seq, now, starts[seq.seq_id][0]))
+                       key=lambda seq: self._prefill_key(seq, now, starts[seq.seq_id][1]))
         queued = []
         for seq in queue:
             start, cached = starts[seq.seq_id]
@@ -303,21 +303,26 @@ class Scheduler:
             return 0
         return len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
 
-    def _prefill_key(self, seq: Sequence, now: float, start: int | None = None) -> tuple[float, float, int, float, int]:
-        """slo's prefill order: priority (aged), then the earliest slack deadline, arrival + AUTO_TTFT_FACTOR x
-        the predicted prefill alone of what is left. A short prompt's first token does not queue behind a long
-        prompt's chunks (its slack is short), yet among like prompts it is close to arrival order: fewest
-        tokens first let a stream of slightly shorter newcomers pass the oldest prompts under a sustained
-        overload (burst TTFT P99 1.19x fcfs's). Without a fitted model, the fewest tokens left first."""
-        if start is None:  # where its next chunk starts (_prefill_start), unless the caller knows
-            start = self._prefill_start(seq)[0]
-        left = seq.num_tokens - start
+    def _prefill_key(self, seq: Sequence, now: float,
+                     first_start: int | None = None) -> tuple[float, float, int, float, int]:
+        """slo's prefill order: priority (aged), then the earliest deadline, arrival + AUTO_TTFT_FACTOR x the
+        predicted prefill alone of what the prompt computes (from `first_start`, its prefix-cache hit): its own
+        auto TTFT deadline, the one the budget rule checks. A short prompt's first token does not queue behind
+        a long prompt's chunks (its deadline is near), and among like prompts it is arrival order. Keyed by
+        what was *left*, a long prompt's deadline moved up as it prefilled: a short prompt arriving behind its
+        last few hundred tokens queued there, late, and was drained for at 5-10x the ITL target (storm@0.7's
+        ITL max, replayed); fewest tokens first, before that, let a stream of slightly shorter newcomers pass
+        the oldest prompts under an overload (burst TTFT P99 1.19x fcfs's). Without a fitted model, the fewest
+        tokens first."""
+        if first_start is None:  # where its first chunk started (_prefill_start), unless the caller knows
+            first_start = self._prefill_start(seq)[1]
+        computes = seq.num_tokens - first_start
         model = self.cost_model
         deadline = 0.0
         if model is not None and model.ready:
-            alone = model.predict(StepShape().plus(left, start))
+            alone = model.predict(StepShape().plus(computes, first_start))
             deadline = seq.arrival_time + AUTO_TTFT_FACTOR * alone
-        return (self._aged_priority(seq, now), deadline, left, seq.arrival_time, seq.seq_id)
+        return (self._aged_priority(seq, now), deadline, computes, seq.arrival_time, seq.seq_id)
 
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
         """Tokens to compute for `seq` this step: its remainder, within the budget and the step's target."""
