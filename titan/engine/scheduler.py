@@ -320,8 +320,7 @@ class Scheduler:
         model = self.cost_model
         deadline = 0.0
         if model is not None and model.ready:
-            alone = model.predict(StepShape().plus(computes, first_start))
-            deadline = seq.arrival_time + AUTO_TTFT_FACTOR * alone
+            deadline = seq.arrival_time + ttft_target_seconds("auto", model, computes, AUTO_TTFT_FACTOR, first_start)
         return (self._aged_priority(seq, now), deadline, computes, seq.arrival_time, seq.seq_id)
 
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
