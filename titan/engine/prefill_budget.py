@@ -98,7 +98,6 @@ class QueuedPrefill:
     waited_seconds: float
     ttft_target: float
     start_position: int = 0
-    batch_size: int = 1  # requests that arrived with it (titan.engine.prefill_demand.ArrivalBatches)
 
 
 @dataclass(frozen=True)
@@ -180,14 +179,14 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
                   queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
                   draining: bool = False, min_chunk: int = 1, demand: float = 0.0,
                   typical: StepShape | None = None, demand_start: int = 0,
-                  batch_min_requests: int = 0) -> BudgetDecision:
+                  batch: bool = False) -> BudgetDecision:
     """The module docstring's rule for a step whose decodes have shape `decodes` and `token_budget` tokens
     left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: the last step drained
     a backlog; `min_chunk`: prefill tokens a step computes even past the cap; `demand`: prompt tokens
     arriving per second, which the cap keeps pace with; `typical`: the decodes of a typical recent step
     (titan.engine.prefill_demand.TypicalDecodes), which pacing sizes its step duration at (default: these);
     `demand_start`: the position the arriving prompt tokens typically start at (their prefix-cache hits);
-    `batch_min_requests`: a queue holding an arrival batch of this many is drained as a batch (0: never).
+    `batch`: the queue holds an arrival batch (titan.engine.prefill_demand.ArrivalBatches), drained as one.
     The queue's tokens are priced at the position they start at on average (`queued_start`)."""
     position = queued_start(queue)
     growth = decode_growth(cost_model, queue)
@@ -231,7 +230,6 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     # at whole-budget steps, as fcfs would, not spread over its TTFT targets. On an AVX2-only EPYC (prompt
     # tokens 2.7x dearer than on Zen 4) a burst at 0.7x load is small next to its targets and was on time
     # at the cap: spread to them, its last first token came 1.36x fcfs's (served; 1.3-1.7x replayed).
-    batch = batch_min_requests > 0 and any(item.batch_size >= batch_min_requests for item in queue)
     if not queue or token_budget <= capped or max_excursion <= 1.0 or (on_time and not batch):
         return BudgetDecision(reason, cap_target * ms, itl_target * ms, first_target, capped, len(queue),
                               met_capped, met_capped, 0, demand, paced_ms, typical.num_sequences)

@@ -13,6 +13,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from titan.config import AUTO_TTFT_FACTOR, SchedulerConfig
 from titan.engine.block_manager import BlockManager, cdiv
@@ -39,6 +40,15 @@ class RequestRejectedError(ValueError):
     def __init__(self, message: str, param: str = "prompt") -> None:
         super().__init__(message)
         self.param = param
+
+
+class PrefillPlan(NamedTuple):
+    """A prompt still to prefill: where its next chunk starts, where its first started (its prefix-cache hit),
+    and its auto TTFT target (None: no fitted cost model yet)."""
+
+    start: int
+    first_start: int
+    auto_ttft: float | None
 
 
 class _StepBuilder:
@@ -165,8 +175,9 @@ class Scheduler:
         if self.config.policy == "slo" and self.waiting:
             # A prefill already running yields to a waiting one with an earlier deadline (see _prefill_key).
             best_waiting = min(self._prefill_key(seq, now) for seq in self.waiting)
-            prefills.sort(key=lambda seq: self._prefill_key(seq, now))
-            deferred = [seq for seq in prefills if self._prefill_key(seq, now) > best_waiting]
+            keys = {seq.seq_id: self._prefill_key(seq, now) for seq in prefills}
+            prefills.sort(key=lambda seq: keys[seq.seq_id])
+            deferred = [seq for seq in prefills if keys[seq.seq_id] > best_waiting]
             prefills = prefills[:len(prefills) - len(deferred)]
         drafts = self._plan_drafts(decodes)
         for seq in decodes:
@@ -234,27 +245,29 @@ class Scheduler:
             step.output.budget = BudgetDecision(NO_MODEL, None, None, None, None)
             return
         itl_target = step_target_seconds(config.itl_slo_ms, model, step.decode_shape)
+        batch = self._holds_batch(prefilling)
         if not step.has_decode or itl_target is None:
             # The idle bound keeps a request that arrives mid-step from waiting out a long one; a batch that
             # arrived together is one job and is prefilled at the whole budget, as it is beside decodes. Bounded,
             # a burst's first prompts were prefilled 38-96 tokens a step (AVX2 EPYC, served) before its first
             # token made the batch rule apply.
-            batch = self._holds_batch(prefilling)
             step.target = None if batch else self._idle_step_bound(model)
             step.output.budget = BudgetDecision(BATCH if batch else NO_DECODES,
                                                 None if step.target is None else step.target * 1000.0,
                                                 None, None, None)
             return
-        # Each waiting prompt's cache hit once: the order and the queue's positions both need it.
-        starts = {seq.seq_id: self._prefill_start(seq) for seq in prefilling + list(self.waiting)}
+        # Each queued prompt's cache hit and auto TTFT target once: its order, position and target all need them.
+        plans = {seq.seq_id: self._prefill_plan(seq) for seq in prefilling + list(self.waiting)}
         queue = sorted(prefilling + list(self.waiting),
-                       key=lambda seq: self._prefill_key(seq, now, starts[seq.seq_id][1]))
+                       key=lambda seq: self._prefill_key(seq, now, plans[seq.seq_id]))
+        fixed_ttft = None
+        if config.ttft_target_ms != "auto":
+            fixed_ttft = ttft_target_seconds(config.ttft_target_ms, model, 0, AUTO_TTFT_FACTOR)
         queued = []
         for seq in queue:
-            start, cached = starts[seq.seq_id]
-            queued.append(QueuedPrefill(seq.num_tokens - start, now - seq.arrival_time, ttft_target_seconds(
-                config.ttft_target_ms, model, seq.num_tokens - cached, AUTO_TTFT_FACTOR, cached), start,
-                self.batches.size(seq.seq_id)))
+            plan = plans[seq.seq_id]
+            ttft_target = plan.auto_ttft if fixed_ttft is None else fixed_ttft
+            queued.append(QueuedPrefill(seq.num_tokens - plan.start, now - seq.arrival_time, ttft_target, plan.start))
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
         fresh = sum(seq.itl_excursions == 0 for seq in in_step)
         typical = self.typical_decodes.observe(step.decode_shape, now)
@@ -262,7 +275,7 @@ class Scheduler:
         demand_start = self.demand.start_position() if self.demand is not None else 0
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk, demand,
-                                 typical, demand_start, config.batch_min_requests)
+                                 typical, demand_start, batch)
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
@@ -287,14 +300,19 @@ class Scheduler:
         target = step_target_seconds(self.config.itl_slo_ms, model, typical)
         return None if target is None else self.config.max_itl_excursion * target
 
-    def _prefill_start(self, seq: Sequence) -> tuple[int, int]:
-        """Where `seq`'s next prefill chunk starts, and where its first one started (its prefix-cache hit). A
-        waiting prompt's hit is counted: a request behind a hot system prompt has only its suffix to do, so
-        its work and its auto TTFT target are the suffix's, at the suffix's positions."""
+    def _prefill_plan(self, seq: Sequence) -> PrefillPlan:
+        """Where `seq`'s next prefill chunk starts, where its first one started (its prefix-cache hit), and its
+        auto TTFT target. A waiting prompt's hit is counted: a request behind a hot system prompt has only its
+        suffix to do, so its work and its auto TTFT target are the suffix's, at the suffix's positions."""
         if seq.status is SequenceStatus.RUNNING:
-            return seq.num_computed_tokens, seq.num_cached_tokens
-        cached = self._cache_hit(seq)
-        return cached, cached
+            start, first = seq.num_computed_tokens, seq.num_cached_tokens
+        else:
+            start = first = self._cache_hit(seq)
+        model = self.cost_model
+        auto_ttft = None
+        if model is not None and model.ready:
+            auto_ttft = ttft_target_seconds("auto", model, seq.num_tokens - first, AUTO_TTFT_FACTOR, first)
+        return PrefillPlan(start, first, auto_ttft)
 
     def _cache_hit(self, seq: Sequence) -> int:
         """Tokens of a waiting sequence the prefix cache holds now (none for one that wants its prompt's
@@ -304,23 +322,19 @@ class Scheduler:
         return len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
 
     def _prefill_key(self, seq: Sequence, now: float,
-                     first_start: int | None = None) -> tuple[float, float, int, float, int]:
+                     plan: PrefillPlan | None = None) -> tuple[float, float, int, float, int]:
         """slo's prefill order: priority (aged), then the earliest deadline, arrival + AUTO_TTFT_FACTOR x the
-        predicted prefill alone of what the prompt computes (from `first_start`, its prefix-cache hit): its own
-        auto TTFT deadline, the one the budget rule checks. A short prompt's first token does not queue behind
-        a long prompt's chunks (its deadline is near), and among like prompts it is arrival order. Keyed by
-        what was *left*, a long prompt's deadline moved up as it prefilled: a short prompt arriving behind its
-        last few hundred tokens queued there, late, and was drained for at 5-10x the ITL target (storm@0.7's
-        ITL max, replayed); fewest tokens first, before that, let a stream of slightly shorter newcomers pass
-        the oldest prompts under an overload (burst TTFT P99 1.19x fcfs's). Without a fitted model, the fewest
-        tokens first."""
-        if first_start is None:  # where its first chunk started (_prefill_start), unless the caller knows
-            first_start = self._prefill_start(seq)[1]
-        computes = seq.num_tokens - first_start
-        model = self.cost_model
-        deadline = 0.0
-        if model is not None and model.ready:
-            deadline = seq.arrival_time + ttft_target_seconds("auto", model, computes, AUTO_TTFT_FACTOR, first_start)
+        predicted prefill alone of what the prompt computes (from its prefix-cache hit): its own auto TTFT
+        deadline, the one the budget rule checks (`plan`: the caller's _prefill_plan of it). A short prompt's
+        first token does not queue behind a long prompt's chunks (its deadline is near), and among like prompts
+        it is arrival order. Keyed by what was *left*, a long prompt's deadline moved up as it prefilled: a
+        short prompt arriving behind its last few hundred tokens queued there, late, and was drained for at
+        5-10x the ITL target (storm@0.7's ITL max, replayed); fewest tokens first, before that, let a stream of
+        slightly shorter newcomers pass the oldest prompts under an overload (burst TTFT P99 1.19x fcfs's).
+        Without a fitted model, the fewest tokens first."""
+        plan = self._prefill_plan(seq) if plan is None else plan
+        computes = seq.num_tokens - plan.first_start
+        deadline = 0.0 if plan.auto_ttft is None else seq.arrival_time + plan.auto_ttft
         return (self._aged_priority(seq, now), deadline, computes, seq.arrival_time, seq.seq_id)
 
     def _chunk(self, step: _StepBuilder, seq: Sequence, start: int) -> int:
