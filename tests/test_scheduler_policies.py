@@ -439,18 +439,17 @@ def queue_now(scheduler: Scheduler, count: int, length: int) -> list[Sequence]:
 def test_slo_policy_drains_a_backlog_at_the_excursion_bound_until_half_the_targets_are_spare() -> None:
     """20 queued prompts of 40 tokens, TTFT target 10 s. Capped (12 tokens per 0.24 s step, and each prompt
     once prefilled adds its 0.01 s decode to every later step) only the 10 first are on time: a backlog. At
-    4x the target (0.98 s, 86 tokens) the last is still late (10 steps and 0.93 s of the others' decodes),
-    and later than whole-budget steps (256 tokens) would get it out, 8.7 s from now: the step takes the
-    fewest tokens that keep it within 1.05x that, 118 (1.3 s), where all 20 are on time."""
+    4x the target (0.98 s, 86 tokens) the last is still late (10 steps and 0.93 s of the others' decodes), and
+    no smaller chunk gets more of them on time: the step takes the bound, where 19 of the 20 are on time."""
     scheduler = budget_scheduler(ttft_target_ms=10_000)
     decoders = with_two_decodes(scheduler)
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
     budget = output.budget
     assert budget.reason == "backlog"
-    assert (budget.itl_target_ms, budget.step_target_ms) == (pytest.approx(245.0), pytest.approx(1300.0))
-    assert (budget.prefill_tokens, budget.ttft_met_capped, budget.ttft_met, budget.itl_cost) == (118, 10, 20, 2)
-    assert output.num_batched_tokens == 2 + 118
+    assert (budget.itl_target_ms, budget.step_target_ms) == (pytest.approx(245.0), pytest.approx(980.0))
+    assert (budget.prefill_tokens, budget.ttft_met_capped, budget.ttft_met, budget.itl_cost) == (86, 10, 19, 2)
+    assert output.num_batched_tokens == 2 + 86
     assert [seq.itl_excursions for seq in decoders] == [1, 1]
     # The next step also decodes the two prompts finished in this one: only those lose their ITL target now.
     second = step(scheduler)
@@ -853,7 +852,7 @@ def test_step_records_show_the_budget_decision() -> None:
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
     record = asdict(StepRecord.of(output, RunnerOutput(), started=0.0, duration=0.9, predicted=0.98, gc_pause=0.0))
-    assert record["budget"]["reason"] == "backlog" and record["budget"]["prefill_tokens"] == 118
+    assert record["budget"]["reason"] == "backlog" and record["budget"]["prefill_tokens"] == 86
     assert (record["predicted_duration"], record["duration"]) == (0.98, 0.9)
 
 

@@ -144,9 +144,6 @@ AUTO_ITL_FACTOR = 1.5
 # prefill alone (serving benchmarks set TTFT SLOs at 5-10x the unloaded TTFT), so it follows the machine,
 # the model and the prompt's length.
 AUTO_TTFT_FACTOR = 10.0
-# A slo drain that gets no queue on time keeps the queue's last first token within this factor of its TTFT
-# at whole-budget steps: the throughput rule bounds burst TTFT P99 at 1.1x fcfs's.
-LATE_TTFT_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -160,8 +157,8 @@ class SchedulerConfig:
     `aging_seconds` so none starves. slo: priority, plus prefill chunks capped
     so that each step's predicted duration stays within `itl_slo_ms` (in steps that carry decodes;
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
-    prefill with the earliest slack deadline (arrival + AUTO_TTFT_FACTOR x the predicted prefill alone of
-    what it has left) goes first. Under a backlog (at the cap some queued request would
+    prefill with the earliest deadline (arrival + AUTO_TTFT_FACTOR x the predicted prefill alone of what
+    it computes: its auto TTFT target) goes first. Under a backlog (at the cap some queued request would
     miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target until the queue is on
     time again with half its targets to spare (titan.engine.prefill_budget states the rule); the cap widens
     to keep pace with the prompt tokens arriving over `prefill_demand_window_s` (titan.engine.prefill_demand).
@@ -184,9 +181,7 @@ class SchedulerConfig:
                 f"{AUTO_TTFT_FACTOR:g}x the predicted prefill of the request's prompt alone", parse=number_or_auto)
     max_itl_excursion: float = option(
         10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
-             "lets steps run to this many times their ITL target until the queue is on time again, further "
-             "only where a queued request is late even so, to keep the queue's last first token within "
-             f"{LATE_TTFT_SLACK:g}x of whole-budget steps' (1: never)")
+             "lets steps run to this many times their ITL target until the queue is on time again (1: never)")
     prefill_demand_window_s: float = option(
         10.0, "the slo cap keeps pace with the prompt tokens that arrived over this many seconds, so steady "
               "traffic never builds a backlog (0: the ITL target alone sizes the cap)")

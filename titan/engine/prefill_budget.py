@@ -33,9 +33,7 @@ carries decodes:
   of its target, up to X·T (or the whole token budget, if that is less; never slower than the arrivals,
   so under an overload the whole budget, as fcfs). If no chunk up to that bound gets the queue on time,
   the bound, unless a smaller chunk gets more first tokens within their targets (then the smallest such
-  chunk, `most_on_time`); and the bound is widened until the queue's last first token is predicted within
-  LATE_TTFT_SLACK of its TTFT at whole-budget steps (fcfs's), the throughput rule's bound on a burst's
-  TTFT P99 (`no_later_than_whole_steps`). A small backlog so costs a small excursion, not the bound's. The
+  chunk, `most_on_time`). A small backlog so costs a small excursion, not the bound's. The
   drain goes on until the queue is on time at the cap with half of every target to spare
   (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave the backlog's
   last requests right at their TTFT target, and the queue hovering there would switch between cap and
@@ -57,7 +55,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from titan.config import LATE_TTFT_SLACK
 from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
 from titan.engine.prefill_demand import DEMAND_HEADROOM, paced_chunk
 
@@ -247,13 +244,6 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(queue, floor, widest_tokens, step_of, growth)
     if tokens is None:
-        # Some first token will be late within the bound: the queue's last is not made much later than
-        # whole-budget steps (as fcfs's) would get it out. At the excursion bound of one decode's target, a
-        # burst's 13 prompts were prefilled in 47-token steps, each paying the step's fixed cost and the
-        # decodes of those already done, and the burst's last first token came 0.2-0.5 s after fcfs's.
-        near_fcfs = no_later_than_whole_steps(queue, floor, token_budget, step_of, growth)
-        if near_fcfs > widest_tokens:
-            widest_tokens, widest = near_fcfs, step_of(near_fcfs)
         tokens = most_on_time(queue, floor, widest_tokens, step_of, growth)
     bound = widest if tokens == widest_tokens else max(step_of(tokens), cap_target)
     itl_cost = fresh_decodes if bound > cap_target else 0
@@ -289,21 +279,6 @@ def most_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Calla
             best, best_met = tokens, met
         tokens = max(tokens + 1, math.ceil(SEARCH_GROWTH * tokens))
     return best
-
-
-def no_later_than_whole_steps(queue: list[QueuedPrefill], low: int, token_budget: int,
-                              step_of: Callable[[int], float], growth: Sequence[float] = ()) -> int:
-    """The fewest prefill tokens per step (at least `low`) with which the queue's last first token is predicted
-    within LATE_TTFT_SLACK of its TTFT at whole-budget steps (`token_budget` tokens each); steps count as a
-    fraction (`first_token_seconds`)."""
-    last = queue[-1]
-
-    def ttft(tokens: int) -> float:
-        return last.waited_seconds + first_token_seconds(queue, tokens, step_of(tokens), growth, whole_steps=False)[-1]
-
-    limit = LATE_TTFT_SLACK * ttft(token_budget)
-    # fewer, bigger steps pay the fixed cost and the prefilled requests' decodes fewer times
-    return smallest_passing(min(max(low, 1), token_budget), token_budget, lambda tokens: ttft(tokens) <= limit)
 
 
 def smallest_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Callable[[int], float],
