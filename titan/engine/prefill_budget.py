@@ -80,8 +80,14 @@ BACKLOG_SHARE = 1.0
 # arriving faster than these steps prefill queue up, on time within their TTFT targets or drained as a
 # backlog. 2 kept paced steps within the ITL rule's 2x of a decode-only step, but on this machine's steady
 # traffic at 70% load (prompt rows ~70% of all rows) such steps fell behind the arrivals every few seconds,
-# and the drains were the tail (benchmarks/default_policy.py, README).
-MAX_PACED_FACTOR = 3.0
+# and the drains were the tail (benchmarks/default_policy.py, README). 3 let the paced step follow the
+# typical width: served on an AVX2 EPYC, steady@0.7's pace went from 26 to 60 ms as the width rose from 1.3
+# to 2.8 decodes, and those steps were its ITL P99 (2.8x the P50). Replayed with steps scattered as served
+# ones are (15 %: actual/predicted P10-P90 0.81-1.19), 2.5 met steady@0.7's ITL rule in 13, 8 and 4 draws of
+# 20 (AVX2 law twice, Zen 4 law) instead of 6, 4 and 2, storm@0.7's max rule in 26 of 60 instead of 20, and
+# raised goodput in every steady and storm cell; storm@0.7's ITL rule went 16 -> 13 of 60, TTFT P50 ~15 %
+# later.
+MAX_PACED_FACTOR = 2.5
 # Chunk sizes a drain that gets no queue on time compares grow by this factor (most_on_time).
 SEARCH_GROWTH = 1.25
 
