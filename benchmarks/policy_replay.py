@@ -3,7 +3,9 @@
 Each cell's requests are the ones `titan bench` sends in default_policy.py (its workload and arrival code, the
 same presets, loads and seeds), fed to the real Scheduler, fcfs and the default slo. A step "takes" what a
 linear step-cost law says (--cost-law, fitted to this machine's served steps); --noise scatters each step
-by that log-normal sigma, and the slo policy's cost model learns the steps online, as in the server.
+by that log-normal sigma (served steps scatter about 0.15: actual / predicted P10-P90 0.81-1.19 on an
+AVX2 EPYC, where offline on a quiet machine one step shape repeats within 2-4 %), and the slo policy's
+cost model learns the steps online, as in the server.
 Calibration is replayed too: the solo request, the suffix prefill and each preset's closed-loop capacity.
 
 No model, no HTTP, no other load: a cell takes about a second, so a policy change is judged over many seeds
