@@ -114,6 +114,25 @@ def test_freed_cached_blocks_are_reused_until_evicted_least_recently_used_first(
     }
 
 
+def test_cache_version_changes_whenever_a_lookup_could_answer_differently() -> None:
+    """The scheduler keeps a waiting prompt's cache hit for the rest of a step while this version holds."""
+    manager = BlockManager(num_blocks=4, block_size=2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    version = manager.cache_version
+    assert manager.allocate(seq, 5) and manager.cache_version == version  # scheduled, nothing published
+    seq.num_computed_tokens = 5
+    manager.commit(seq)
+    assert manager.cache_version > version  # two blocks published
+    version = manager.cache_version
+    manager.free(seq)
+    assert manager.cache_version == version  # freed, still cached
+    probe = make_seq([1, 2, 3, 4, 6])
+    assert len(manager.find_cached_prefix(probe)) == 2
+    big = make_seq(list(range(100, 108)))
+    assert manager.allocate(big, 8)  # every block: the cached ones are evicted
+    assert manager.cache_version > version and manager.find_cached_prefix(probe) == []
+
+
 def test_prefix_caching_disabled_finds_nothing() -> None:
     manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     first = make_seq(list(range(8)))

@@ -37,6 +37,7 @@ class BlockManager:
         # Insertion order is eviction order: the front is reused first.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.cache_version = 0  # changes whenever hash_to_block does: lookups made before may be stale
         # Per sequence: how many of its full blocks are registered in the prefix cache.
         self.num_registered_blocks: dict[int, int] = {}
         # Full prompt blocks a running sequence has still to publish (hash → seq_id): a request that
@@ -100,6 +101,7 @@ class BlockManager:
             if block.block_hash is None and hashes[index] not in self.hash_to_block:
                 block.block_hash = hashes[index]
                 self.hash_to_block[hashes[index]] = block.block_id
+                self.cache_version += 1
             if self.in_flight.get(hashes[index]) == seq.seq_id:
                 del self.in_flight[hashes[index]]
         self.num_registered_blocks[seq.seq_id] = end
@@ -111,6 +113,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached content
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
+                self.cache_version += 1
             block.block_hash = None
         block.ref_count = 1
         return block_id
