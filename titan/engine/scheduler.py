@@ -317,9 +317,9 @@ class Scheduler:
 
     def _plan_in(self, step: _StepBuilder, seq: Sequence) -> PrefillPlan:
         """`seq`'s prefill plan, computed once a step: the step's order, its budget and every admission need
-        it, and with 250 prompts waiting computing it each time took schedule() 14 ms. It changes only when
-        the sequence moves (admitted, chunked or preempted) or the prefix cache does (a block published or
-        evicted), and then it is computed again."""
+        it (with 250 prompts waiting, computed each time it took schedule() from 9.8 to 18.6 ms). It changes
+        only when the sequence moves (admitted, chunked or preempted) or the prefix cache does (a block
+        published or evicted), and then it is computed again."""
         state = (seq.status, seq.num_computed_tokens, self.block_manager.cache_version)
         memo = step.plans.get(seq.seq_id)
         if memo is None or memo[0] != state:
