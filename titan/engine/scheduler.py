@@ -258,15 +258,14 @@ class Scheduler:
                                                 None if step.target is None else step.target * 1000.0,
                                                 None, None, None)
             return
-        plans = {seq.seq_id: self._plan_in(step, seq) for seq in prefilling + list(self.waiting)}
         queue = sorted(prefilling + list(self.waiting),
-                       key=lambda seq: self._prefill_key(seq, now, plans[seq.seq_id]))
+                       key=lambda seq: self._prefill_key(seq, now, self._plan_in(step, seq)))
         fixed_ttft = None
         if config.ttft_target_ms != "auto":
             fixed_ttft = ttft_target_seconds(config.ttft_target_ms, model, 0, AUTO_TTFT_FACTOR)
         queued = []
         for seq in queue:
-            plan = plans[seq.seq_id]
+            plan = self._plan_in(step, seq)
             ttft_target = plan.auto_ttft if fixed_ttft is None else fixed_ttft
             queued.append(QueuedPrefill(seq.num_tokens - plan.start, now - seq.arrival_time, ttft_target, plan.start))
         in_step = [seq for seq in decodes if seq.status is SequenceStatus.RUNNING]
