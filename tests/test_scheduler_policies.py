@@ -13,15 +13,7 @@ import pytest
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape, shape_of
-from titan.engine.prefill_budget import (
-    QueuedPrefill,
-    choose_budget,
-    decode_growth,
-    most_on_time,
-    queued_start,
-    ttft_met,
-    ttft_target_seconds,
-)
+from titan.engine.prefill_budget import choose_budget, most_on_time, ttft_target_seconds
 from titan.engine.prefill_demand import (
     BATCH_WINDOW_SECONDS,
     MAX_TRACKED_ARRIVALS,
@@ -30,6 +22,7 @@ from titan.engine.prefill_demand import (
     TypicalDecodes,
     paced_chunk,
 )
+from titan.engine.queue_forecast import QueuedPrefill, QueueForecast, decode_growth, queued_start
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
 from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -832,9 +825,24 @@ def test_ttft_met_counts_the_requests_predicted_within_their_target() -> None:
     queue = [QueuedPrefill(100, waited_seconds=0.5, ttft_target=1.0), QueuedPrefill(100, 0.2, ttft_target=1.0)]
     # With 100 tokens per 0.4 s step the first is done at 0.9 s, the second at 1.0 s: both in time. With
     # 0.5 s steps at 1.0 s and 1.2 s: one. One already past its target is never met.
-    assert ttft_met(queue, 100, 0.4) == 2
-    assert ttft_met(queue, 100, 0.5) == 1
-    assert ttft_met([QueuedPrefill(1, 1.5, ttft_target=1.0)], 100, 0.01) == 0
+    assert QueueForecast(queue).met(100, 0.4) == 2
+    assert QueueForecast(queue).met(100, 0.5) == 1
+    assert QueueForecast([QueuedPrefill(1, 1.5, ttft_target=1.0)]).met(100, 0.01) == 0
+
+
+def test_queue_forecast_counts_the_decodes_of_the_requests_already_prefilled() -> None:
+    """100 tokens per 0.4 s step; once prefilled, each request's decode adds its cost to every later step.
+    The first is out after one step; the second after two, the first's 0.01 s decode in the second; the third
+    in the same second step (the second's decode starts after it). Counted as fractions of a step, the second
+    needs 1.5 steps, and its decode runs for the half step left before the third's 2."""
+    queue = [QueuedPrefill(100, 0.0, 1.0), QueuedPrefill(50, 0.0, 1.0), QueuedPrefill(50, 0.0, 1.0)]
+    forecast = QueueForecast(queue, [0.01, 0.02, 0.03])
+    assert forecast.first_token_seconds(100, 0.4) == pytest.approx([0.4, 0.81, 0.81])
+    assert forecast.first_token_seconds(100, 0.4, whole_steps=False) == pytest.approx([0.4, 0.605, 0.82])
+    assert forecast.met(100, 0.4, share=0.8) == 1 and forecast.met(0, 0.4) == 0
+    assert QueueForecast([]).met(100, 0.4) == 0
+    with pytest.raises(ValueError, match="2 decode costs for a queue of 3"):
+        QueueForecast(queue, [0.01, 0.02])
 
 
 def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:
@@ -885,7 +893,8 @@ def test_a_drain_that_gets_no_queue_on_time_keeps_the_chunk_that_gets_most_on_ti
         return 0.010 + 0.0019 * tokens
 
     queue = [QueuedPrefill(479, waited_seconds=5.0, ttft_target=17.0), QueuedPrefill(100, 0.0, ttft_target=1.9)]
-    assert (ttft_met(queue, 8, step_of(8)), ttft_met(queue, 511, step_of(511))) == (2, 1)
-    assert most_on_time(queue, 8, 511, step_of) == 8
+    forecast = QueueForecast(queue)
+    assert (forecast.met(8, step_of(8)), forecast.met(511, step_of(511))) == (2, 1)
+    assert most_on_time(forecast, 8, 511, step_of) == 8
     late = [QueuedPrefill(479, waited_seconds=20.0, ttft_target=17.0), QueuedPrefill(100, 3.0, ttft_target=1.9)]
-    assert most_on_time(late, 8, 511, step_of) == 511
+    assert most_on_time(QueueForecast(late), 8, 511, step_of) == 511

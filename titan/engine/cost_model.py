@@ -26,9 +26,9 @@ from titan.engine.scheduler_output import ScheduledSequence
 OUTLIER_RATIO = 2.0
 STALE_RATIO = 1.5
 HISTORY_KEPT = 0.01  # weight left on the old observations when the fit is rebuilt from recent steps
-# A prediction is a float dot product, and its last bit depends on the CPU's numpy kernels: 0.1 + 5 x 0.01
-# came out at most 0.15 on an AVX-512 machine and just over it on an AVX2-only one, a token fewer in a chunk
-# sized to 0.15. A prediction this close to a bound counts as within it, so the machine does not decide.
+# A prediction is float arithmetic, and 0.1 + 5 x 0.01 is not exactly 0.15: as a numpy dot it came out at most
+# 0.15 on an AVX-512 machine and just over it on an AVX2-only one, a token fewer in a chunk sized to 0.15. A
+# prediction this close to a bound counts as within it, so neither the rounding nor the machine decides.
 ROUNDING = 1e-9
 
 
@@ -61,7 +61,8 @@ class StepCostModel:
         self.gram = np.zeros((4, 4))
         self.moment = np.zeros(4)
         self.num_observations = 0
-        self.weights: np.ndarray | None = None
+        self._weights: np.ndarray | None = None
+        self._terms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # the weights as Python floats
         self.recent: deque[tuple[np.ndarray, float]] = deque(maxlen=min_observations)  # unclamped
         self.ratios: deque[float] = deque(maxlen=min_observations)  # measured / predicted since the last refit
         self.num_resets = 0
@@ -71,8 +72,18 @@ class StepCostModel:
         return np.array([1.0, shape.num_tokens, shape.num_sequences, shape.attention_pairs / 1000.0])
 
     @property
+    def weights(self) -> np.ndarray | None:
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: np.ndarray | None) -> None:
+        self._weights = weights
+        if weights is not None:
+            self._terms = (float(weights[0]), float(weights[1]), float(weights[2]), float(weights[3]) / 1000.0)
+
+    @property
     def ready(self) -> bool:
-        return self.weights is not None
+        return self._weights is not None
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         x = self._features(shape)
@@ -129,9 +140,13 @@ class StepCostModel:
         return np.maximum(weights, 0.0)
 
     def predict(self, shape: StepShape) -> float:
-        if self.weights is None:
+        # Plain float arithmetic, not a numpy dot: the scheduler predicts hundreds of shapes a step under a long
+        # queue (an array per call cost ~3 us), and a dot's last bit depends on the CPU's kernels.
+        if self._weights is None:
             return 0.0
-        return float(self._features(shape) @ self.weights)
+        per_step, per_token, per_sequence, per_pair = self._terms
+        return (per_step + per_token * shape.num_tokens + per_sequence * shape.num_sequences
+                + per_pair * shape.attention_pairs)
 
     def marginal_token_cost(self, context_length: int) -> float:
         """Seconds one more token of an already scheduled sequence adds, attending to `context_length`."""

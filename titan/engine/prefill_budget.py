@@ -25,8 +25,8 @@ carries decodes:
   prompts still prefilling, then the waiting ones, in the policy's order) is on time if every request i is
   predicted to get its first token within τᵢ of its arrival when every step from now on computes b(T) of
   them: i finishes in step ⌈(tokens of i and of those ahead of it) / b(T)⌉, each step taking the predicted
-  duration of decodes + b(T) plus the decode of every queued request already prefilled (`first_token_seconds`:
-  a burst's first requests decode in every step their followers prefill in).
+  duration of decodes + b(T) plus the decode of every queued request already prefilled
+  (titan.engine.queue_forecast: a burst's first requests decode in every step their followers prefill in).
 * On time, with every first token predicted within BACKLOG_SHARE of its target: the step is capped at T
   (or paced). Otherwise the queue is a backlog (some first token is late, or about to be, at the cap) and
   the step takes the smallest chunk with which every queued first token is predicted within BACKLOG_SHARE
@@ -52,11 +52,12 @@ request arriving while it runs waits for all of it. A batch in the queue lifts t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from titan.engine.cost_model import StepCostModel, StepShape, smallest_passing
 from titan.engine.prefill_demand import DEMAND_HEADROOM, paced_chunk
+from titan.engine.queue_forecast import QueuedPrefill, QueueForecast, decode_growth, queued_start
 
 # Why a step got the prefill budget it got (shown in /debug/steps).
 NO_MODEL = "no_model"  # the cost model is not fitted yet: the whole token budget
@@ -93,17 +94,6 @@ SEARCH_GROWTH = 1.25
 
 
 @dataclass(frozen=True)
-class QueuedPrefill:
-    """Prefill work waiting for the budget: tokens still to compute, seconds since arrival, its TTFT target, and
-    the position its next chunk starts at (a prefix-cache hit or the chunks already computed)."""
-
-    remaining_tokens: int
-    waited_seconds: float
-    ttft_target: float
-    start_position: int = 0
-
-
-@dataclass(frozen=True)
 class BudgetDecision:
     """What the slo policy chose for one step, and why."""
 
@@ -137,47 +127,6 @@ def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, 
     return auto_factor * cost_model.predict(StepShape().plus(prompt_tokens, start_position))
 
 
-def ttft_met(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float, share: float = 1.0,
-             growth: Sequence[float] = ()) -> int:
-    """Queued prefills (in service order) predicted to reach their first token within `share` x their target
-    of arrival, each step computing `tokens_per_step` of them in `step_seconds` plus the decodes of those
-    already prefilled (`growth`, per queued request: `decode_growth`; none if not given)."""
-    if tokens_per_step <= 0:
-        return 0
-    finishes = first_token_seconds(queue, tokens_per_step, step_seconds, growth)
-    return sum(item.waited_seconds + finish <= share * item.ttft_target
-               for item, finish in zip(queue, finishes, strict=True))
-
-
-def first_token_seconds(queue: list[QueuedPrefill], tokens_per_step: int, step_seconds: float,
-                        growth: Sequence[float] = (), whole_steps: bool = True) -> list[float]:
-    """Seconds from now to each queued request's first token, every step computing `tokens_per_step` of the
-    queue's tokens in `step_seconds`, plus the decode of each request already prefilled (`growth` per
-    request): a burst's first requests decode in every step their followers prefill in, and a drain
-    planned without them got its last requests late. `whole_steps`: a request waits for the end of the step
-    its last token is in; else steps count as a fraction (tokens ahead / tokens per step), for a search over
-    the chunk size: rounded, a bigger chunk can need as many steps as a smaller one and be later."""
-    finishes = []
-    ahead, decoding, decoding_since = 0, 0.0, 0.0  # Σ decode seconds of the prefilled, Σ of them x their step
-    for item, cost in zip(queue, list(growth) or [0.0] * len(queue), strict=True):
-        ahead += item.remaining_tokens
-        steps = math.ceil(ahead / tokens_per_step) if whole_steps else ahead / tokens_per_step
-        finishes.append(steps * (step_seconds + decoding) - decoding_since)
-        decoding += cost
-        decoding_since += cost * steps
-    return finishes
-
-
-def decode_growth(cost_model: StepCostModel, queue: list[QueuedPrefill]) -> list[float]:
-    """What each queued request's decode adds to a step once it is prefilled: a token and a sequence attending
-    to its prompt. A step's predicted cost is linear in that context, so three predictions price the whole
-    queue (one per request cost ~3 us each, every step, on a queue that can hold hundreds)."""
-    empty = cost_model.predict(StepShape())
-    at_start = cost_model.predict(StepShape().plus(1, 0)) - empty
-    per_position = cost_model.predict(StepShape().plus(1, 1)) - empty - at_start
-    return [at_start + per_position * (item.start_position + item.remaining_tokens) for item in queue]
-
-
 def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: int, itl_target: float,
                   queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
                   draining: bool = False, min_chunk: int = 1, demand: float = 0.0,
@@ -192,7 +141,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     `batch`: the queue holds an arrival batch (titan.engine.prefill_demand.ArrivalBatches), drained as one.
     The queue's tokens are priced at the position they start at on average (`queued_start`)."""
     position = queued_start(queue)
-    growth = decode_growth(cost_model, queue)
+    forecast = QueueForecast(queue, decode_growth(cost_model, queue))
 
     def tokens_within(target: float) -> int:
         return cost_model.max_chunk(decodes, position, token_budget, target)
@@ -221,14 +170,14 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     first_target = queue[0].ttft_target * ms if queue else None
     floor = max(capped, min(min_chunk, token_budget))
     floor_step = step_of(floor)
-    met_capped = ttft_met(queue, floor, floor_step, growth=growth)
+    met_capped = forecast.met(floor, floor_step)
     # A drain starts once the cap would get a queued first token later than the drain aims for (BACKLOG_SHARE
     # of its target). Started earlier, at 0.8, it made fewer jumps (a 130 ms step among 16 ms ones) but
     # drained more often, and its steps were the ITL tail. It ends once the queue is on time at the cap with
     # half its targets to spare: otherwise a backlog hovers at its targets, switching between cap and drain
     # step after step.
     share = DRAIN_EXIT_SHARE if draining else BACKLOG_SHARE
-    on_time = ttft_met(queue, floor, floor_step, share, growth) == len(queue)
+    on_time = forecast.met(floor, floor_step, share) == len(queue)
     # A batch that arrived together is one job, done when its last request is: on time or not, it is drained
     # at whole-budget steps, as fcfs would, not spread over its TTFT targets. On an AVX2-only EPYC (prompt
     # tokens 2.7x dearer than on Zen 4) a burst at 0.7x load is small next to its targets and was on time
@@ -239,7 +188,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     if batch:
         whole = step_of(token_budget)
         return BudgetDecision(BATCH, whole * ms, itl_target * ms, first_target, token_budget, len(queue), met_capped,
-                              ttft_met(queue, token_budget, whole, growth=growth), fresh_decodes, demand, paced_ms,
+                              forecast.met(token_budget, whole), fresh_decodes, demand, paced_ms,
                               typical.num_sequences)
     # A drain is never slower than the arrivals (the whole budget under an overload, as fcfs), and within
     # that bound takes the smallest step that gets the queue on time, so a small backlog costs a small
@@ -248,55 +197,38 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     keeping_up = paced_chunk(cost_model, decodes, token_budget, demand, demand_start)
     widest = min(max(max_excursion * itl_target, cap_target, step_of(keeping_up)), step_of(token_budget))
     widest_tokens = tokens_within(widest)
-    tokens = smallest_on_time(queue, floor, widest_tokens, step_of, growth)
+    tokens = smallest_on_time(forecast, floor, widest_tokens, step_of)
     if tokens is None:
-        tokens = most_on_time(queue, floor, widest_tokens, step_of, growth)
+        tokens = most_on_time(forecast, floor, widest_tokens, step_of)
     bound = widest if tokens == widest_tokens else max(step_of(tokens), cap_target)
     itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
-                          ttft_met(queue, tokens, step_of(tokens), growth=growth), itl_cost, demand, paced_ms,
+                          forecast.met(tokens, step_of(tokens)), itl_cost, demand, paced_ms,
                           typical.num_sequences)
 
 
-def queued_start(queue: list[QueuedPrefill]) -> int:
-    """The position the queue's remaining prompt tokens start at, on average over them. Behind a hot system
-    prompt every token attends to it and costs more; priced at position 0 the same suffix came out at a tenth
-    of its cost where all traffic shares the prefix (the fit then cannot tell a token's cost from its
-    attention's). An average rather than the first prefill's position: a long prompt's last chunks would
-    price the short prompts queued behind it at its depth, and the queue would read as a backlog."""
-    tokens = sum(item.remaining_tokens for item in queue)
-    if tokens <= 0:
-        return 0
-    return round(sum(item.remaining_tokens * item.start_position for item in queue) / tokens)
-
-
-def most_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Callable[[int], float],
-                 growth: Sequence[float] = ()) -> int:
+def most_on_time(queue: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int:
     """With no chunk in [low, high] getting the queue on time: `high` (the drain's widest step, as fcfs under
     an overload) unless a smaller chunk is predicted to get more first tokens within their targets, then the
     smallest of those. A whole-budget step makes every request wait for all of it: one late long prompt
-    queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on time. `growth`:
-    each queued request's decode, once prefilled (`decode_growth`)."""
-    best, best_met = high, ttft_met(queue, high, step_of(high), growth=growth)
+    queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on time."""
+    best, best_met = high, queue.met(high, step_of(high))
     tokens = max(low, 1)
     while tokens < high:
-        met = ttft_met(queue, tokens, step_of(tokens), growth=growth)
+        met = queue.met(tokens, step_of(tokens))
         if met > best_met:
             best, best_met = tokens, met
         tokens = max(tokens + 1, math.ceil(SEARCH_GROWTH * tokens))
     return best
 
 
-def smallest_on_time(queue: list[QueuedPrefill], low: int, high: int, step_of: Callable[[int], float],
-                     growth: Sequence[float] = ()) -> int | None:
+def smallest_on_time(queue: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int | None:
     """The fewest prefill tokens per step, in [low, high], with which every queued first token is predicted
-    within BACKLOG_SHARE of its target (steps of `step_of` seconds, plus each prefilled request's decode,
-    `growth`); None if even `high` is not enough. Steps count as a fraction (`first_token_seconds`)."""
+    within BACKLOG_SHARE of its target (steps of `step_of` seconds); None if even `high` is not enough. Steps
+    count as a fraction (`QueueForecast.first_token_seconds`)."""
 
     def on_time(tokens: int) -> bool:
-        finishes = first_token_seconds(queue, tokens, step_of(tokens), growth, whole_steps=False)
-        return all(item.waited_seconds + finish <= BACKLOG_SHARE * item.ttft_target
-                   for item, finish in zip(queue, finishes, strict=True))
+        return queue.met(tokens, step_of(tokens), BACKLOG_SHARE, whole_steps=False) == queue.size
 
     low = max(low, 1)
     if low > high or not on_time(high):

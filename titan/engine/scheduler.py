@@ -24,11 +24,11 @@ from titan.engine.prefill_budget import (
     NO_DECODES,
     NO_MODEL,
     BudgetDecision,
-    QueuedPrefill,
     choose_budget,
     ttft_target_seconds,
 )
 from titan.engine.prefill_demand import ArrivalBatches, PrefillDemand, TypicalDecodes
+from titan.engine.queue_forecast import QueuedPrefill
 from titan.engine.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from titan.engine.sequence import Advanced, Sequence, SequenceStatus
 from titan.engine.spec.planner import SpeculationPlanner
@@ -51,10 +51,17 @@ class PrefillPlan(NamedTuple):
     auto_ttft: float | None
 
 
+# slo's prefill order (Scheduler._prefill_key): aged priority, deadline, tokens it computes, arrival, id
+PrefillKey = tuple[float, float, int, float, int]
+# what a prompt's plan was computed from (Scheduler._memo_in): its status, computed tokens, the cache's version
+PlanState = tuple[SequenceStatus, int, int]
+
+
 class _StepBuilder:
     """The step being assembled: what is scheduled, the budget left and the predicted shape."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, now: float) -> None:
+        self.now = now  # when the step is scheduled: waiting prompts' priorities age to it
         self.output = SchedulerOutput()
         self.total_budget = budget
         self.budget = budget
@@ -64,8 +71,8 @@ class _StepBuilder:
         self.deferred: set[int] = set()  # waiting sequences that wait for prefix blocks being computed
         self.decode_shape = StepShape()  # the running decodes alone (the auto step target follows them)
         self.target: float | None = None  # slo: the predicted duration prefill chunks keep the step within
-        # slo: each queued prompt's plan, with the state it was computed in (Scheduler._plan_in)
-        self.plans: dict[int, tuple[tuple[SequenceStatus, int, int], PrefillPlan]] = {}
+        # slo: each queued prompt's plan and prefill order, with the state they were computed in (Scheduler._plan_in)
+        self.plans: dict[int, tuple[PlanState, PrefillPlan, PrefillKey]] = {}
 
     def add(self, scheduled: ScheduledSequence) -> None:
         self.output.scheduled.append(scheduled)
@@ -166,8 +173,8 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder(self.config.max_num_batched_tokens)
         now = self.clock()
+        step = _StepBuilder(self.config.max_num_batched_tokens, now)
         if not self.running:
             self.typical_decodes.forget()
         # Decodes first: a long prompt that is still prefilling must never starve them of budget.
@@ -176,8 +183,8 @@ class Scheduler:
         deferred: list[Sequence] = []
         if self.config.policy == "slo" and self.waiting:
             # A prefill already running yields to a waiting one with an earlier deadline (see _prefill_key).
-            best_waiting = min(self._prefill_key(seq, now, self._plan_in(step, seq)) for seq in self.waiting)
-            keys = {seq.seq_id: self._prefill_key(seq, now, self._plan_in(step, seq)) for seq in prefills}
+            best_waiting = min(self._key_in(step, seq) for seq in self.waiting)
+            keys = {seq.seq_id: self._key_in(step, seq) for seq in prefills}
             prefills.sort(key=lambda seq: keys[seq.seq_id])
             deferred = [seq for seq in prefills if keys[seq.seq_id] > best_waiting]
             prefills = prefills[:len(prefills) - len(deferred)]
@@ -258,8 +265,7 @@ class Scheduler:
                                                 None if step.target is None else step.target * 1000.0,
                                                 None, None, None)
             return
-        queue = sorted(prefilling + list(self.waiting),
-                       key=lambda seq: self._prefill_key(seq, now, self._plan_in(step, seq)))
+        queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._key_in(step, seq))
         fixed_ttft = None
         if config.ttft_target_ms != "auto":
             fixed_ttft = ttft_target_seconds(config.ttft_target_ms, model, 0, AUTO_TTFT_FACTOR)
@@ -319,11 +325,19 @@ class Scheduler:
         it (with 250 prompts waiting, computed each time it took schedule() from 9.8 to 18.6 ms). It changes
         only when the sequence moves (admitted, chunked or preempted) or the prefix cache does (a block
         published or evicted), and then it is computed again."""
+        return self._memo_in(step, seq)[1]
+
+    def _key_in(self, step: _StepBuilder, seq: Sequence) -> PrefillKey:
+        """`seq`'s place in slo's prefill order this step (`_prefill_key`), kept with its plan."""
+        return self._memo_in(step, seq)[2]
+
+    def _memo_in(self, step: _StepBuilder, seq: Sequence) -> tuple[PlanState, PrefillPlan, PrefillKey]:
         state = (seq.status, seq.num_computed_tokens, self.block_manager.cache_version)
         memo = step.plans.get(seq.seq_id)
         if memo is None or memo[0] != state:
-            memo = step.plans[seq.seq_id] = (state, self._prefill_plan(seq))
-        return memo[1]
+            plan = self._prefill_plan(seq)
+            memo = step.plans[seq.seq_id] = (state, plan, self._prefill_key(seq, step.now, plan))
+        return memo
 
     def _cache_hit(self, seq: Sequence) -> int:
         """Tokens of a waiting sequence the prefix cache holds now (none for one that wants its prompt's
@@ -332,8 +346,7 @@ class Scheduler:
             return 0
         return len(self.block_manager.find_cached_prefix(seq)) * self.block_manager.block_size
 
-    def _prefill_key(self, seq: Sequence, now: float,
-                     plan: PrefillPlan | None = None) -> tuple[float, float, int, float, int]:
+    def _prefill_key(self, seq: Sequence, now: float, plan: PrefillPlan | None = None) -> PrefillKey:
         """slo's prefill order: priority (aged), then the earliest deadline, arrival + AUTO_TTFT_FACTOR x the
         predicted prefill alone of what the prompt computes (from its prefix-cache hit): its own auto TTFT
         deadline, the one the budget rule checks (`plan`: the caller's _prefill_plan of it). A short prompt's
@@ -368,12 +381,11 @@ class Scheduler:
         candidates = [seq for seq in self.waiting if seq.seq_id not in skipped]
         return min(candidates, key=lambda seq: self._waiting_key(seq, now, step), default=None)
 
-    def _waiting_key(self, seq: Sequence, now: float,
-                     step: _StepBuilder | None = None) -> tuple[float, float, int, float, int]:
+    def _waiting_key(self, seq: Sequence, now: float, step: _StepBuilder | None = None) -> PrefillKey:
         """Priority policies' admission order: aged priority then arrival; slo's is its prefill order (its plan
         from `step`'s, when a step is being built)."""
         if self.config.policy == "slo":
-            return self._prefill_key(seq, now, None if step is None else self._plan_in(step, seq))
+            return self._prefill_key(seq, now) if step is None else self._key_in(step, seq)
         return (self._aged_priority(seq, now), 0.0, 0, seq.arrival_time, seq.seq_id)
 
     def ahead_of(self, seq: Sequence) -> list[Sequence]:
