@@ -13,7 +13,7 @@ import pytest
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape, shape_of
-from titan.engine.prefill_budget import choose_budget, most_on_time, ttft_target_seconds
+from titan.engine.prefill_budget import auto_ttft_seconds, choose_budget, most_on_time
 from titan.engine.prefill_demand import (
     BATCH_WINDOW_SECONDS,
     MAX_TRACKED_ARRIVALS,
@@ -878,9 +878,8 @@ def test_scheduler_config_checks_the_goodput_options() -> None:
 def test_auto_ttft_target_follows_the_prompt_length() -> None:
     """auto: a factor (here 3) x the prompt's predicted prefill alone; 0.1 s + 0.01 s per token."""
     model = fixed_cost_model(0.1, 0.01)
-    assert ttft_target_seconds("auto", model, 100, 3.0) == pytest.approx(3.3)
-    assert ttft_target_seconds("auto", model, 400, 3.0) == pytest.approx(12.3)
-    assert ttft_target_seconds(500.0, model, 400, 3.0) == 0.5
+    assert auto_ttft_seconds(model, 100, 3.0) == pytest.approx(3.3)
+    assert auto_ttft_seconds(model, 400, 3.0) == pytest.approx(12.3)
 
 
 def test_a_drain_that_gets_no_queue_on_time_keeps_the_chunk_that_gets_most_on_time() -> None:

@@ -7,8 +7,8 @@ a short step spends most of its time on the fixed per-step cost, so prefill runs
 and the backlog spreads onto every request that arrives after it. The rule, evaluated once per step that
 carries decodes:
 
-* T is the ITL target (`step_target_seconds`), τᵢ request i's TTFT target (`ttft_target_seconds`: the
-  given number, or auto AUTO_TTFT_FACTOR x the predicted prefill alone of what its prompt computes, the
+* T is the ITL target (`step_target_seconds`), τᵢ request i's TTFT target (the given number, or with auto
+  AUTO_TTFT_FACTOR x the predicted prefill alone of what its prompt computes, `auto_ttft_seconds`: the
   prefix-cache hit left out but attended to, so a long prompt may take longer than a short one), X the
   excursion bound (`max_itl_excursion`). Queued prompt tokens are priced at the position they start at on
   average (`queued_start`), arriving ones at theirs.
@@ -115,15 +115,13 @@ class BudgetDecision:
         return None if self.step_target_ms is None else self.step_target_ms / 1000.0
 
 
-def ttft_target_seconds(ttft_target_ms: float | str, cost_model: StepCostModel, prompt_tokens: int,
-                        auto_factor: float, start_position: int = 0) -> float:
-    """A request's TTFT target: the given number, or with auto `auto_factor` x the predicted prefill alone of
+def auto_ttft_seconds(cost_model: StepCostModel, prompt_tokens: int, auto_factor: float,
+                      start_position: int = 0) -> float:
+    """A request's auto TTFT target (`--ttft-target-ms auto`): `auto_factor` x the predicted prefill alone of
     the `prompt_tokens` it computes from `start_position` (its prefix-cache hit; the model must be fitted).
     Where it starts matters: a suffix behind a cached system prompt attends to all of it, and where every
     prompt does (shared-prefix traffic) the fit cannot tell a token's cost from its attention's, so the
     same suffix priced at position 0 came out at a tenth of its cost."""
-    if ttft_target_ms != "auto":
-        return float(ttft_target_ms) / 1000.0
     return auto_factor * cost_model.predict(StepShape().plus(prompt_tokens, start_position))
 
 

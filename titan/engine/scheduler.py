@@ -24,8 +24,8 @@ from titan.engine.prefill_budget import (
     NO_DECODES,
     NO_MODEL,
     BudgetDecision,
+    auto_ttft_seconds,
     choose_budget,
-    ttft_target_seconds,
 )
 from titan.engine.prefill_demand import ArrivalBatches, PrefillDemand, TypicalDecodes
 from titan.engine.queue_forecast import QueuedPrefill
@@ -266,9 +266,7 @@ class Scheduler:
                                                 None, None, None)
             return
         queue = sorted(prefilling + list(self.waiting), key=lambda seq: self._key_in(step, seq))
-        fixed_ttft = None
-        if config.ttft_target_ms != "auto":
-            fixed_ttft = ttft_target_seconds(config.ttft_target_ms, model, 0, AUTO_TTFT_FACTOR)
+        fixed_ttft = None if config.ttft_target_ms == "auto" else float(config.ttft_target_ms) / 1000.0
         queued = []
         for seq in queue:
             plan = self._plan_in(step, seq)
@@ -317,7 +315,7 @@ class Scheduler:
         model = self.cost_model
         auto_ttft = None
         if model is not None and model.ready:
-            auto_ttft = ttft_target_seconds("auto", model, seq.num_tokens - first, AUTO_TTFT_FACTOR, first)
+            auto_ttft = auto_ttft_seconds(model, seq.num_tokens - first, AUTO_TTFT_FACTOR, first)
         return PrefillPlan(start, first, auto_ttft)
 
     def _plan_in(self, step: _StepBuilder, seq: Sequence) -> PrefillPlan:
