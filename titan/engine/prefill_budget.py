@@ -205,28 +205,28 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
                           typical.num_sequences)
 
 
-def most_on_time(queue: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int:
+def most_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int:
     """With no chunk in [low, high] getting the queue on time: `high` (the drain's widest step, as fcfs under
     an overload) unless a smaller chunk is predicted to get more first tokens within their targets, then the
     smallest of those. A whole-budget step makes every request wait for all of it: one late long prompt
     queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on time."""
-    best, best_met = high, queue.met(high, step_of(high))
+    best, best_met = high, forecast.met(high, step_of(high))
     tokens = max(low, 1)
     while tokens < high:
-        met = queue.met(tokens, step_of(tokens))
+        met = forecast.met(tokens, step_of(tokens))
         if met > best_met:
             best, best_met = tokens, met
         tokens = max(tokens + 1, math.ceil(SEARCH_GROWTH * tokens))
     return best
 
 
-def smallest_on_time(queue: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int | None:
+def smallest_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int | None:
     """The fewest prefill tokens per step, in [low, high], with which every queued first token is predicted
     within BACKLOG_SHARE of its target (steps of `step_of` seconds); None if even `high` is not enough. Steps
     count as a fraction (`QueueForecast.first_token_seconds`)."""
 
     def on_time(tokens: int) -> bool:
-        return queue.met(tokens, step_of(tokens), BACKLOG_SHARE, whole_steps=False) == queue.size
+        return forecast.met(tokens, step_of(tokens), BACKLOG_SHARE, whole_steps=False) == forecast.size
 
     low = max(low, 1)
     if low > high or not on_time(high):
