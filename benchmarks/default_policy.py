@@ -133,8 +133,8 @@ def results_stats(results: list[RequestResult], slo: Slo, duration_s: float, out
 
 
 def budget_evidence(url: str, since_wall: float, keep: Path) -> dict[str, Any]:
-    """The candidate's /debug/steps over the cell: why steps got their budget, and predicted vs actual. The
-    steps themselves are kept in `keep` (steps.json), for attributing the cell's gaps to steps."""
+    """A server's /debug/steps over the cell: why steps got their budget, and predicted vs actual. The steps
+    themselves are kept in `keep` (steps.json), for attributing the cell's gaps to steps."""
     data = httpx.get(url + "/debug/steps", params={"limit": 2048}, timeout=30).json()["data"]
     steps = [s for s in data if s["time"] >= since_wall]
     keep.mkdir(parents=True, exist_ok=True)
@@ -257,8 +257,8 @@ def main() -> None:
                     run_dir = Path("benchmarks/results/default_policy") / f"{name}-{key}"
                     _, code, report = run_bench(server.url, workload_args(preset, rate, duration, seed), run_dir)
                     cell[name] = cell_stats(report, slo) | {"bench_exit": code, "load_1min": before}
-                    if name == "candidate":
-                        cell["candidate_steps"] = budget_evidence(server.url, since, run_dir)
+                    # both servers': a step's duration is compared shape for shape (the machine's noise or the policy)
+                    cell[f"{name}_steps"] = budget_evidence(server.url, since, run_dir)
                     got = cell[name]
                     print(f"  {key} {name}: tok/s {got['output_tok_s']:.1f}, TTFT P99 {got['ttft_ms']['p99'] or 0:.0f}"
                           f" ms, ITL P50/P99 {got['itl_ms']['p50'] or 0:.0f}/{got['itl_ms']['p99'] or 0:.0f} ms, "
