@@ -4,8 +4,10 @@ Each cell's requests are the ones `titan bench` sends in default_policy.py (its 
 same presets, loads and seeds), fed to the real Scheduler, fcfs and the default slo. A step "takes" what a
 linear step-cost law says (--cost-law, fitted to this machine's served steps); --noise scatters each step
 by that log-normal sigma (served steps scatter about 0.15: actual / predicted P10-P90 0.81-1.19 on an
-AVX2 EPYC, where offline on a quiet machine one step shape repeats within 2-4 %), and the slo policy's
-cost model learns the steps online, as in the server.
+AVX2 EPYC, where offline on a quiet machine one step shape repeats within 2-4 %), --noise-correlation
+carries that share of one step's scatter into the next (served steps' actual / predicted ratios correlate
+0.5-0.75 from one step to the next: slow spells, not independent flukes), and the slo policy's cost model
+learns the steps online, as in the server.
 Calibration is replayed too: the solo request, the suffix prefill and each preset's closed-loop capacity.
 
 No model, no HTTP, no other load: a cell takes about a second, so a policy change is judged over many seeds
@@ -17,7 +19,7 @@ split by whether the cell's busiest window of arrivals stayed within the machine
 (`busiest_load`): a Poisson draw at 0.7x load on average can hold seconds above 1x.
 
     .venv/bin/python benchmarks/policy_replay.py [--presets steady,burst,storm,shared] [--loads 0.7,1.5]
-        [--seeds 10] [--noise 0] [--output benchmarks/results/policy_replay.json]
+        [--seeds 10] [--noise 0] [--noise-correlation 0] [--output benchmarks/results/policy_replay.json]
 """
 
 from __future__ import annotations
@@ -107,10 +109,13 @@ def bench_requests(bench_argv: list[str]) -> tuple[list[Replayed], list[Replayed
 class Replay:
     """One server's scheduler, stepped on a virtual clock: a step lasts what the cost law gives it."""
 
-    def __init__(self, policy: str, law: tuple[float, ...], noise: float, kv_blocks: int, seed: int) -> None:
+    def __init__(self, policy: str, law: tuple[float, ...], noise: float, kv_blocks: int, seed: int,
+                 noise_correlation: float = 0.0) -> None:
         self.now = 0.0
         self.law = np.array(law) / 1000.0
         self.noise = noise
+        self.noise_correlation = noise_correlation
+        self.log_scatter = 0.0  # the last step's, which the next one's follows by `noise_correlation`
         self.rng = np.random.default_rng(seed)
         self.cost_model = StepCostModel()  # fitted online, as the engine's
         # The served cells start on a warm server (warm-up, calibration, earlier cells): so does the fit here.
@@ -125,8 +130,12 @@ class Replay:
 
     def seconds(self, shape: StepShape) -> float:
         features = np.array([1.0, shape.num_tokens, shape.num_sequences, shape.attention_pairs / 1000.0])
-        scatter = math.exp(self.rng.normal(0.0, self.noise)) if self.noise else 1.0
-        return float(features @ self.law) * scatter
+        if not self.noise:
+            return float(features @ self.law)
+        # AR(1) in log space: each step keeps `noise_correlation` of the last one's scatter, the sigma stays `noise`
+        rho = self.noise_correlation
+        self.log_scatter = rho * self.log_scatter + math.sqrt(1.0 - rho * rho) * self.rng.normal(0.0, self.noise)
+        return float(features @ self.law) * math.exp(self.log_scatter)
 
     def run(self, requests: list[Replayed], in_flight: int | None = None) -> list[RequestResult]:
         """Send `requests` when due (or `in_flight` at a time, as the closed loop does) and step until all are
@@ -241,10 +250,14 @@ def main() -> None:
     parser.add_argument("--cost-law", default=DEFAULT_COST_LAW,
                         help="step cost in ms: per step, per token, per sequence, per 1000 attention pairs")
     parser.add_argument("--noise", type=float, default=0.0, help="log-normal sigma of each step's duration")
+    parser.add_argument("--noise-correlation", type=float, default=0.0,
+                        help="share of a step's log scatter the next step keeps (AR(1); 0: independent steps)")
     parser.add_argument("--kv-blocks", type=int, default=8192, help="KV cache blocks of 16 tokens")
     parser.add_argument("--output", default="benchmarks/results/policy_replay.json")
     args = parser.parse_args()
     presets, loads = args.presets.split(","), [float(x) for x in args.loads.split(",")]
+    if not 0.0 <= args.noise_correlation < 1.0:
+        parser.error("--noise-correlation must be in [0, 1)")
     law = tuple(float(x) for x in args.cost_law.split(","))
     started = time.perf_counter()
     calibration, work_capacity = calibrate(args, presets, law)
@@ -252,9 +265,9 @@ def main() -> None:
                 f"itl={5000 * calibration.solo_itl:.0f}")
     slo = Slo.parse(slo_text)
     capacity = ", ".join(f"{preset} {rate:.2f}" for preset, rate in calibration.capacity.items())
-    print(f"{cpu_description()}; cost law {law} ms, noise {args.noise}; solo TTFT "
-          f"{1000 * calibration.solo_ttft:.0f} ms, gap {1000 * calibration.solo_itl:.1f} ms; capacity {capacity} "
-          f"req/s; goodput SLO {slo_text}", flush=True)
+    print(f"{cpu_description()}; cost law {law} ms, noise {args.noise} (correlation {args.noise_correlation}); "
+          f"solo TTFT {1000 * calibration.solo_ttft:.0f} ms, gap {1000 * calibration.solo_itl:.1f} ms; "
+          f"capacity {capacity} req/s; goodput SLO {slo_text}", flush=True)
     draws: list[dict[str, Any]] = []
     passes: dict[str, list[bool]] = {}
     for draw in range(args.seeds):
@@ -270,7 +283,7 @@ def main() -> None:
                 cells[key] = {"rate_rps": rate,
                               "busiest_load": busiest_load(timed, law, work_capacity[preset])}
                 for policy, name in (("slo", "candidate"), ("fcfs", "fcfs")):
-                    replay = Replay(policy, law, args.noise, args.kv_blocks, draw)
+                    replay = Replay(policy, law, args.noise, args.kv_blocks, draw, args.noise_correlation)
                     if warm:
                         replay.run(warm)
                     cells[key][name] = cell(replay.run(timed), slo)
@@ -290,7 +303,8 @@ def main() -> None:
     for name, counts in by_load.items():
         print(f"  {name:48s} " + "   ".join(f"{side}: {passed}/{total}" for side, (passed, total) in counts.items()))
     write_result(args.output, {
-        "cpu": cpu_description(), "cost_law_ms": law, "noise": args.noise, "seeds": args.seeds,
+        "cpu": cpu_description(), "cost_law_ms": law, "noise": args.noise,
+        "noise_correlation": args.noise_correlation, "seeds": args.seeds,
         "burst_interval_s": BURST_INTERVAL, "calibration": calibration.__dict__, "slo": slo_text,
         "pass_counts": {name: sum(results) for name, results in passes.items()}, "pass_counts_by_load": by_load,
         "busiest_window_s": BUSIEST_WINDOW_S, "draws": draws,

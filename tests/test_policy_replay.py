@@ -12,7 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from policy_replay import BUSIEST_WINDOW_S, Replayed, busiest_load, work_seconds  # noqa: E402
+import numpy as np  # noqa: E402
+from policy_replay import BUSIEST_WINDOW_S, Replay, Replayed, busiest_load, work_seconds  # noqa: E402
+
+from titan.engine.cost_model import StepShape  # noqa: E402
 
 
 def replay(output: Path, *extra: str) -> dict:
@@ -50,6 +53,22 @@ def test_step_noise_changes_the_replay(tmp_path: Path) -> None:
     noisy = replay(tmp_path / "noisy.json", "--noise", "0.1")
     assert noisy["noise"] == 0.1
     assert noisy["draws"][0]["cells"]["storm@0.7"] != quiet["draws"][0]["cells"]["storm@0.7"]
+
+
+def test_correlated_noise_keeps_its_sigma_and_carries_into_the_next_step() -> None:
+    """Served steps' scatter comes in slow spells: --noise-correlation makes it an AR(1) in log space whose
+    lag-1 correlation is the flag, with the same sigma as independent steps (4,000 steps, seeded)."""
+    shape = StepShape().plus(1, 100).plus(32, 0)
+
+    def log_scatter(correlation: float) -> np.ndarray:
+        replay = Replay("fcfs", (2.9, 1.65, 1.33, 0.0), 0.15, 64, 7, correlation)
+        base = Replay("fcfs", (2.9, 1.65, 1.33, 0.0), 0.0, 64, 7).seconds(shape)
+        return np.log(np.array([replay.seconds(shape) for _ in range(4000)]) / base)
+
+    for correlation in (0.0, 0.7):
+        scatter = log_scatter(correlation)
+        assert scatter.std() == pytest.approx(0.15, rel=0.1)
+        assert np.corrcoef(scatter[:-1], scatter[1:])[0, 1] == pytest.approx(correlation, abs=0.05)
 
 
 def test_the_busiest_window_is_the_most_work_arriving_in_any_window_over_capacity() -> None:
