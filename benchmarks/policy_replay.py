@@ -6,7 +6,7 @@ linear step-cost law says (--cost-law, fitted to this machine's served steps); -
 by that log-normal sigma (served steps scatter about 0.15: actual / predicted P10-P90 0.81-1.19 on an
 AVX2 EPYC, where offline on a quiet machine one step shape repeats within 2-4 %), --noise-correlation
 carries that share of one step's scatter into the next (served steps' actual / predicted ratios correlate
-0.5-0.75 from one step to the next: slow spells, not independent flukes), and the slo policy's cost model
+0.36-0.76 from one step to the next: slow spells, not independent flukes), and the slo policy's cost model
 learns the steps online, as in the server.
 Calibration is replayed too: the solo request, the suffix prefill and each preset's closed-loop capacity.
 

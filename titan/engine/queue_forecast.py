@@ -67,7 +67,7 @@ class QueueForecast:
 def decode_growth(cost_model: StepCostModel, queue: Sequence[QueuedPrefill]) -> list[float]:
     """What each queued request's decode adds to a step once it is prefilled: a token and a sequence attending
     to its prompt. A step's predicted cost is linear in that context, so three predictions price the whole
-    queue (one per request cost ~3 us each, every step, on a queue that can hold hundreds)."""
+    queue rather than a prediction per request, every step, on a queue that can hold hundreds."""
     empty = cost_model.predict(StepShape())
     at_start = cost_model.predict(StepShape().plus(1, 0)) - empty
     per_position = cost_model.predict(StepShape().plus(1, 1)) - empty - at_start
