@@ -71,7 +71,7 @@ class _StepBuilder:
         self.deferred: set[int] = set()  # waiting sequences that wait for prefix blocks being computed
         self.decode_shape = StepShape()  # the running decodes alone (the auto step target follows them)
         self.target: float | None = None  # slo: the predicted duration prefill chunks keep the step within
-        # slo: each queued prompt's plan and prefill order, with the state they were computed in (Scheduler._plan_in)
+        # slo: each queued prompt's plan and prefill order, with the state they were computed in (Scheduler._memo_in)
         self.plans: dict[int, tuple[PlanState, PrefillPlan, PrefillKey]] = {}
 
     def add(self, scheduled: ScheduledSequence) -> None:
@@ -319,10 +319,7 @@ class Scheduler:
         return PrefillPlan(start, first, auto_ttft)
 
     def _plan_in(self, step: _StepBuilder, seq: Sequence) -> PrefillPlan:
-        """`seq`'s prefill plan, computed once a step: the step's order, its budget and every admission need
-        it (with 250 prompts waiting, computed each time it took schedule() from 9.8 to 18.6 ms). It changes
-        only when the sequence moves (admitted, chunked or preempted) or the prefix cache does (a block
-        published or evicted), and then it is computed again."""
+        """`seq`'s prefill plan this step (`_prefill_plan`, kept by `_memo_in`)."""
         return self._memo_in(step, seq)[1]
 
     def _key_in(self, step: _StepBuilder, seq: Sequence) -> PrefillKey:
@@ -330,6 +327,10 @@ class Scheduler:
         return self._memo_in(step, seq)[2]
 
     def _memo_in(self, step: _StepBuilder, seq: Sequence) -> tuple[PlanState, PrefillPlan, PrefillKey]:
+        """`seq`'s plan and prefill order, computed once a step: the step's order, its budget and every admission
+        need them (with 250 prompts waiting, computed each time they took schedule() from 9.8 to 18.6 ms). They
+        change only when the sequence moves (admitted, chunked or preempted) or the prefix cache does (a block
+        published or evicted), and then they are computed again."""
         state = (seq.status, seq.num_computed_tokens, self.block_manager.cache_version)
         memo = step.plans.get(seq.seq_id)
         if memo is None or memo[0] != state:
