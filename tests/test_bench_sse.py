@@ -14,7 +14,7 @@ from titan.bench.client import (
     error_message,
     request_body,
 )
-from titan.bench.metrics_scraper import MetricsReducer, max_bound, parse_prometheus_text
+from titan.bench.metrics_scraper import MetricsReducer, max_bound, parse_prometheus_text, read_lines
 from titan.bench.workload import RequestSpec
 
 STREAM = (
@@ -146,6 +146,18 @@ def test_prometheus_text_parsing_and_reduction() -> None:
     vllm = MetricsReducer()
     assert vllm.reduce(parse_prometheus_text('vllm:gpu_cache_usage_perc 87.5\n')) == {"kv_usage": 0.875}
     assert MetricsReducer().reduce(parse_prometheus_text("llamacpp:tokens 5\n")) == {}
+
+
+def test_the_scrape_parses_only_the_families_it_reads() -> None:
+    text = METRICS + ('# HELP titan:e2e_request_latency_seconds Unread.\n# TYPE titan:e2e_request_latency_seconds'
+                      ' histogram\ntitan:e2e_request_latency_seconds_bucket{le="1.0"} 5\npython_info{v="3"} 1\n')
+    kept = read_lines(text)
+    assert "e2e_request_latency" not in kept and "python_info" not in kept and "garbage" not in kept
+    assert "# TYPE titan:num_requests_waiting gauge" in kept
+    later = text.replace('le="+Inf",model_name="m"} 12', 'le="+Inf",model_name="m"} 15')
+    full, filtered = MetricsReducer(), MetricsReducer()
+    for scrape in (text, later):  # two scrapes, so the histogram's max is read too
+        assert filtered.reduce(parse_prometheus_text(read_lines(scrape))) == full.reduce(parse_prometheus_text(scrape))
 
 
 def test_histogram_max_bound() -> None:
