@@ -47,13 +47,13 @@ READ_FAMILIES = tuple(
 ) + ("python_gc_collections",)
 
 
-def read_lines(text: str) -> str:
-    """The lines of the families the reducer reads, with their # HELP / # TYPE lines.
+def read_lines(text: str, families: tuple[str, ...] = READ_FAMILIES) -> str:
+    """The lines of metrics whose names start with one of `families`, with their # HELP / # TYPE lines.
 
-    The scrape runs on the client's event loop, where it stamps every token's arrival. Titan's whole
-    `/metrics` (~600 lines) took 10-15 ms to parse, 20-30 ms on a busy 2-core host, once a second: each
-    parse delayed the tokens that arrived meanwhile, and the report read those delays as the server's
-    token gaps. Kept to these families the parse is a few lines' work.
+    Scrapes run on an event loop that has other work: the bench client stamps every token's arrival on
+    it, the router proxies streams. Titan's whole `/metrics` (~600 lines) took 10-15 ms to parse, 20-30 ms
+    on a busy 2-core host, and each parse delayed what arrived meanwhile (the bench read those delays as
+    the server's token gaps). Kept to the families a reader needs, the parse is a few lines' work.
     """
     kept = []
     for line in text.splitlines():

@@ -16,7 +16,7 @@ from http import HTTPStatus
 
 import httpx
 
-from titan.bench.metrics_scraper import parse_prometheus_text
+from titan.bench.metrics_scraper import parse_prometheus_text, read_lines
 from titan.router.backend import Backend, BackendPool
 from titan.router.metrics import RouterMetrics
 from titan.router.step_cost import StepCost, step_totals
@@ -34,7 +34,7 @@ def load_gauges(text: str) -> tuple[float | None, float | None]:
     """(requests waiting summed over label sets, highest KV cache usage) from Prometheus text."""
     waiting: dict[str, float] = {}
     usage: dict[str, float] = {}
-    for sample in parse_prometheus_text(text):
+    for sample in parse_prometheus_text(read_lines(text, WAITING_NAMES + KV_USAGE_NAMES)):
         if sample.name in WAITING_NAMES:
             waiting[sample.name] = waiting.get(sample.name, 0.0) + sample.value
         elif sample.name in KV_USAGE_NAMES:

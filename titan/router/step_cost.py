@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from titan.bench.metrics_scraper import parse_prometheus_text
+from titan.bench.metrics_scraper import parse_prometheus_text, read_lines
 
 STEP_SUM = "titan:engine_step_seconds_sum"
 STEP_COUNT = "titan:engine_step_seconds_count"
@@ -31,7 +31,7 @@ class StepTotals:
 def step_totals(text: str) -> StepTotals | None:
     """Cumulative step seconds, step count and computed tokens (summed over label sets); None if absent."""
     found: dict[str, float] = {}
-    for sample in parse_prometheus_text(text):
+    for sample in parse_prometheus_text(read_lines(text, (STEP_SUM, STEP_COUNT, TOKENS_SUM))):
         if sample.name in (STEP_SUM, STEP_COUNT, TOKENS_SUM):
             found[sample.name] = found.get(sample.name, 0.0) + sample.value
     if len(found) < 3:
