@@ -154,6 +154,7 @@ def test_the_scrape_parses_only_the_families_it_reads() -> None:
     kept = read_lines(text)
     assert "e2e_request_latency" not in kept and "python_info" not in kept and "garbage" not in kept
     assert "# TYPE titan:num_requests_waiting gauge" in kept
+    assert read_lines(text, ("titan:num_requests_running",)) == 'titan:num_requests_running{model_name="m"} 2\n'
     later = text.replace('le="+Inf",model_name="m"} 12', 'le="+Inf",model_name="m"} 15')
     full, filtered = MetricsReducer(), MetricsReducer()
     for scrape in (text, later):  # two scrapes, so the histogram's max is read too

@@ -61,7 +61,7 @@ def read_lines(text: str, families: tuple[str, ...] = READ_FAMILIES) -> str:
         if not words:
             continue
         name = words[2] if words[0] == "#" and len(words) > 2 else words[0].split("{", 1)[0]
-        if name.startswith(READ_FAMILIES):
+        if name.startswith(families):
             kept.append(line)
     return "\n".join(kept) + "\n"
 
