@@ -48,7 +48,8 @@ READ_FAMILIES = tuple(
 
 
 def read_lines(text: str, families: tuple[str, ...] = READ_FAMILIES) -> str:
-    """The lines of metrics whose names start with one of `families`, with their # HELP / # TYPE lines.
+    """The sample and # HELP / # TYPE lines whose metric name starts with one of `families` (a histogram's
+    `_sum` line alone keeps no # TYPE line: it then parses as an untyped sample of the same name).
 
     Scrapes run on an event loop that has other work: the bench client stamps every token's arrival on
     it, the router proxies streams. Titan's whole `/metrics` (~600 lines) took 10-15 ms to parse, 20-30 ms
