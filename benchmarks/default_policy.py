@@ -143,7 +143,22 @@ def budget_evidence(url: str, since_wall: float, keep: Path) -> dict[str, Any]:
     ratios = [s["duration"] / s["predicted_duration"] for s in steps if s.get("predicted_duration")]
     return {"steps": len(steps), "reasons": dict(reasons),
             "actual_over_predicted_p50": statistics.median(ratios) if ratios else None,
-            "actual_over_predicted_p90": statistics.quantiles(ratios, n=10)[-1] if len(ratios) >= 10 else None}
+            "actual_over_predicted_p90": statistics.quantiles(ratios, n=10)[-1] if len(ratios) >= 10 else None,
+            **gap_sources(steps)}
+
+
+def gap_sources(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Where a cell's token gaps come from: the share made by decode-only steps (each step's gaps are its
+    decodes), and those steps' own P99 / P50 duration (the host's scatter of one kind of step). Near a 50 %
+    share the ITL P50 sits at the boundary between decode-only steps and steps that also prefill, so a cell's
+    ITL P99 / P50 flips between draws (stop 48, docs/scheduling-history.md)."""
+    gaps = [(s["duration"], s["num_decodes"], s["num_prefill_tokens"] == 0) for s in steps if s["num_decodes"] > 0]
+    total = sum(count for _, count, _ in gaps)
+    alone = sorted(duration for duration, count, only in gaps if only for _ in range(count))
+    scatter = None
+    if len(alone) >= 20:
+        scatter = alone[min(len(alone) - 1, round(0.99 * (len(alone) - 1)))] / alone[len(alone) // 2]
+    return {"decode_only_gap_share": len(alone) / total if total else None, "decode_only_p99_over_p50": scatter}
 
 
 def evaluate(cells: dict[str, dict[str, Any]], calibration: Calibration) -> list[dict[str, Any]]:
@@ -193,8 +208,13 @@ def print_table(cells: dict[str, dict[str, Any]]) -> None:
     for key, cell in cells.items():
         for label, value in rows:
             print(f"{key:<14}{label:<24}{value(cell['candidate']):>20}{value(cell['fcfs']):>20}")
-        print(f"{'':<14}{'candidate budgets':<24}{cell['candidate_steps']['reasons']}  actual/predicted P50 "
-              f"{cell['candidate_steps']['actual_over_predicted_p50']}")
+        steps = cell["candidate_steps"]
+        print(f"{'':<14}{'candidate budgets':<24}{steps['reasons']}  actual/predicted P50 "
+              f"{steps['actual_over_predicted_p50']}")
+        if steps.get("decode_only_gap_share") is not None:
+            scatter = steps["decode_only_p99_over_p50"]
+            print(f"{'':<14}{'candidate gaps':<24}{steps['decode_only_gap_share']:.0%} from decode-only steps"
+                  + (f" (their P99 / P50 duration {scatter:.2f})" if scatter else ""))
 
 
 def main() -> None:

@@ -1,0 +1,40 @@
+"""benchmarks/default_policy.py's report of where a cell's token gaps come from (its steps.json)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from default_policy import gap_sources  # noqa: E402
+
+
+def step(duration: float, decodes: int, prefill: int) -> dict[str, float | int]:
+    return {"duration": duration, "num_decodes": decodes, "num_prefill_tokens": prefill}
+
+
+def test_each_step_makes_one_gap_per_decode_and_prefill_only_steps_make_none() -> None:
+    steps = ([step(0.010, 2, 0)] * 30  # 60 gaps from decode-only steps
+             + [step(0.025, 1, 5)] * 20  # 20 from steps that also prefill
+             + [step(0.500, 0, 300)] * 5)  # a prompt alone: nobody's gap
+    sources = gap_sources(steps)
+    assert sources["decode_only_gap_share"] == pytest.approx(60 / 80)
+    assert sources["decode_only_p99_over_p50"] == pytest.approx(1.0)
+
+
+def test_the_scatter_is_that_of_the_decode_only_steps_alone() -> None:
+    # 100 decode-only steps of 10..109 ms: P50 60 ms, P99 108 ms; the slow prefilling steps do not count
+    steps = [step((10 + i) / 1000, 1, 0) for i in range(100)] + [step(1.0, 3, 64)] * 10
+    sources = gap_sources(steps)
+    assert sources["decode_only_gap_share"] == pytest.approx(100 / 130)
+    assert sources["decode_only_p99_over_p50"] == pytest.approx(108 / 60)
+
+
+def test_no_decodes_no_share_and_too_few_steps_no_scatter() -> None:
+    assert gap_sources([step(0.3, 0, 100)]) == {"decode_only_gap_share": None, "decode_only_p99_over_p50": None}
+    few = gap_sources([step(0.01, 1, 0)] * 5 + [step(0.03, 1, 4)] * 5)
+    assert few == {"decode_only_gap_share": 0.5, "decode_only_p99_over_p50": None}
