@@ -154,11 +154,11 @@ def gap_sources(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     ITL P99 / P50 flips between draws (stop 48, docs/scheduling-history.md)."""
     gaps = [(s["duration"], s["num_decodes"], s["num_prefill_tokens"] == 0) for s in steps if s["num_decodes"] > 0]
     total = sum(count for _, count, _ in gaps)
-    alone = sorted(duration for duration, count, only in gaps if only for _ in range(count))
-    scatter = None
-    if len(alone) >= 20:
-        scatter = alone[min(len(alone) - 1, round(0.99 * (len(alone) - 1)))] / alone[len(alone) // 2]
-    return {"decode_only_gap_share": len(alone) / total if total else None, "decode_only_p99_over_p50": scatter}
+    alone = [duration for duration, count, only in gaps if only for _ in range(count)]
+    # the ITL rule's own percentiles (titan.bench.analysis.summarize)
+    spread = summarize(alone) if len(alone) >= 20 else None
+    return {"decode_only_gap_share": len(alone) / total if total else None,
+            "decode_only_p99_over_p50": spread["p99"] / spread["p50"] if spread else None}
 
 
 def evaluate(cells: dict[str, dict[str, Any]], calibration: Calibration) -> list[dict[str, Any]]:
