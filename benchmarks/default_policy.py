@@ -47,6 +47,7 @@ STORM_LONG_IN, STORM_LONG_FRACTION = 800, 0.1
 PREFIX_LEN, SUFFIX_LEN, PREFIX_OUT = 512, 64, 32
 BURST_INTERVAL = 10.0
 PRESETS = ("steady", "burst", "storm", "shared")
+LOADS = (0.7, 1.5)  # offered load, as fractions of the measured capacity
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,17 @@ class Calibration:
     solo_itl: float
     suffix_prefill: float  # a lone SUFFIX_LEN prompt's TTFT: one prefill of the shared-prefix suffix
     capacity: dict[str, float]  # requests/s per preset, closed loop with 8 in flight
+
+
+def cell_number(preset: str, load: float) -> int:
+    """A cell's place in the full default grid (PRESETS x LOADS, 1-based), which fixes its seed and which server
+    goes first: a run of some presets or loads (`--presets storm`) draws the same arrivals as the full run's
+    cell of that name. Numbered by position in the run instead, a steady + storm run's storm@0.7 drew the full
+    run's steady@1.5 seed. A load outside LOADS numbers past the grid, 100 per preset plus 10x the load."""
+    row = PRESETS.index(preset)
+    if load in LOADS:
+        return 1 + row * len(LOADS) + LOADS.index(load)
+    return 100 * (row + 1) + round(10 * load)
 
 
 def workload_args(preset: str, rate: float, duration: float, seed: int) -> list[str]:
@@ -220,7 +232,8 @@ def print_table(cells: dict[str, dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default=",".join(PRESETS))
-    parser.add_argument("--loads", default="0.7,1.5", help="offered load as fractions of measured capacity")
+    parser.add_argument("--loads", default=",".join(f"{load:g}" for load in LOADS),
+                        help="offered load as fractions of measured capacity")
     parser.add_argument("--duration", type=float, default=40.0, help="seconds of sending per cell")
     parser.add_argument("--calibration-requests", type=int, default=24)
     parser.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=4000,itl=300 (default: from calibration)")
@@ -260,13 +273,12 @@ def main() -> None:
         slo = Slo.parse(slo_text)
         print(f"solo TTFT {1000 * calibration.solo_ttft:.0f} ms, gap {1000 * calibration.solo_itl:.0f} ms, suffix "
               f"prefill {1000 * calibration.suffix_prefill:.0f} ms; goodput SLO {slo_text}", flush=True)
-        number = 0
         for preset in presets:
             for load in loads:
                 key = f"{preset}@{load:g}"
                 rate = load * calibration.capacity[preset]
-                order = ("candidate", "fcfs") if number % 2 == 0 else ("fcfs", "candidate")
-                number += 1
+                number = cell_number(preset, load)
+                order = ("candidate", "fcfs") if number % 2 == 1 else ("fcfs", "candidate")
                 cell: dict[str, Any] = {"rate_rps": rate}
                 for name in order:
                     server = servers[name]

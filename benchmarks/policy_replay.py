@@ -36,10 +36,12 @@ import numpy as np
 from common import cpu_description, write_result
 from default_policy import (
     BURST_INTERVAL,
+    LOADS,
     PRESETS,
     SHORT_IN,
     SUFFIX_LEN,
     Calibration,
+    cell_number,
     closed_loop_args,
     evaluate,
     results_stats,
@@ -242,7 +244,7 @@ def pass_counts_by_load(draws: list[dict[str, Any]]) -> dict[str, dict[str, tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default=",".join(PRESETS))
-    parser.add_argument("--loads", default="0.7,1.5")
+    parser.add_argument("--loads", default=",".join(f"{load:g}" for load in LOADS))
     parser.add_argument("--duration", type=float, default=40.0, help="seconds of sending per cell")
     parser.add_argument("--seeds", type=int, default=10, help="arrival draws per cell (seed, seed + 1, ...)")
     parser.add_argument("--seed", type=int, default=0, help="the first draw's offset (default_policy.py's --seed)")
@@ -272,14 +274,12 @@ def main() -> None:
     passes: dict[str, list[bool]] = {}
     for draw in range(args.seeds):
         cells: dict[str, dict[str, Any]] = {}
-        number = 0
         for preset in presets:
             for load in loads:
-                number += 1
                 key, rate = f"{preset}@{load:g}", load * calibration.capacity[preset]
                 # default_policy.py's seed for this cell, then one more draw per --seeds
                 warm, timed, _ = bench_requests(workload_args(preset, rate, args.duration,
-                                                              args.seed + 1000 * number + draw))
+                                                              args.seed + 1000 * cell_number(preset, load) + draw))
                 cells[key] = {"rate_rps": rate,
                               "busiest_load": busiest_load(timed, law, work_capacity[preset])}
                 for policy, name in (("slo", "candidate"), ("fcfs", "fcfs")):

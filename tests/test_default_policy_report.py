@@ -1,4 +1,5 @@
-"""benchmarks/default_policy.py's report of where a cell's token gaps come from (its steps.json)."""
+"""benchmarks/default_policy.py's bookkeeping: which arrivals each cell draws, and where its token gaps come from
+(its steps.json)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from default_policy import gap_sources  # noqa: E402
+from default_policy import LOADS, PRESETS, cell_number, gap_sources  # noqa: E402
+
+
+def test_a_cell_draws_the_full_runs_arrivals_whichever_cells_run_beside_it() -> None:
+    # the full default grid, preset by preset: the numbering (and so every seed) the full runs have used
+    assert [cell_number(preset, load) for preset in PRESETS for load in LOADS] == list(range(1, 9))
+    # `--presets storm --loads 0.7` runs the full run's storm@0.7, not its first cell's seed
+    assert cell_number("storm", 0.7) == 5
+    # other loads number past the grid, one apart per tenth of load, no two cells alike
+    extra = [cell_number(preset, load) for preset in PRESETS for load in (0.5, 1.0, 2.0)]
+    assert len(set(extra)) == len(extra) and min(extra) > len(PRESETS) * len(LOADS)
 
 
 def step(duration: float, decodes: int, prefill: int) -> dict[str, float | int]:
