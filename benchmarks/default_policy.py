@@ -164,9 +164,8 @@ def gap_sources(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     decodes), and those steps' own P99 / P50 duration (the host's scatter of one kind of step). Near a 50 %
     share the ITL P50 sits at the boundary between decode-only steps and steps that also prefill, so a cell's
     ITL P99 / P50 flips between draws (stop 48, docs/scheduling-history.md)."""
-    gaps = [(s["duration"], s["num_decodes"], s["num_prefill_tokens"] == 0) for s in steps if s["num_decodes"] > 0]
-    total = sum(count for _, count, _ in gaps)
-    alone = [duration for duration, count, only in gaps if only for _ in range(count)]
+    total = sum(s["num_decodes"] for s in steps)
+    alone = [s["duration"] for s in steps if s["num_prefill_tokens"] == 0 for _ in range(s["num_decodes"])]
     # the ITL rule's own percentiles (titan.bench.analysis.summarize)
     spread = summarize(alone) if len(alone) >= 20 else None
     return {"decode_only_gap_share": len(alone) / total if total else None,
