@@ -460,7 +460,7 @@ def test_slo_policy_drains_a_backlog_at_the_excursion_bound_until_half_the_targe
     for seq in list(scheduler.waiting)[1:]:
         scheduler.abort(seq.seq_id)
     budget = step(scheduler).budget
-    assert budget.reason == "itl_cap" and budget.queued >= 2 and not scheduler.draining
+    assert budget.reason == "itl_cap" and budget.queued >= 2 and not scheduler.slo.draining
 
 
 def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
@@ -523,7 +523,7 @@ def test_paced_steps_take_one_duration_whatever_their_width() -> None:
         for _ in range(width):
             scheduler.add(sequence(4, max_tokens=500))
         assert step(scheduler).budget.reason == "no_decodes"
-        scheduler.typical_decodes.observe(StepShape(2.5, 2.5, 0.0), time.monotonic())
+        scheduler.slo.typical_decodes.observe(StepShape(2.5, 2.5, 0.0), time.monotonic())
         queue_now(scheduler, 1, 602 - 4 * width)
         output = step(scheduler)
         assert output.budget.reason == "paced"
@@ -554,7 +554,7 @@ def test_an_idle_engine_forgets_the_typical_decodes() -> None:
         scheduler.add(seq)
     step(scheduler)  # their prefills
     step(scheduler)  # their decodes: eight are typical
-    assert scheduler.typical_decodes.shape.num_sequences == 8
+    assert scheduler.slo.typical_decodes.shape.num_sequences == 8
     assert not scheduler.has_unfinished
     scheduler.add(sequence(4, max_tokens=50))
     step(scheduler)  # its prefill, on an idle engine
@@ -705,7 +705,7 @@ def test_auto_ttft_target_prices_the_suffix_where_it_starts() -> None:
     """Behind a hot 40-token prefix the 8-token suffix attends to the prefix: its target is 10 x its prefill at
     positions 40-47 (8 x 44.5 pairs), dearer than the same 8 tokens at position 0 (8 x 4.5 pairs)."""
     scheduler = budget_scheduler(ttft_target_ms="auto")  # type: ignore[arg-type]
-    scheduler.cost_model = model = attention_cost_model()
+    scheduler.slo.cost_model = model = attention_cost_model()
     follow_a_hot_prefix(scheduler)
     budget = step(scheduler).budget
     at_suffix = 10 * model.predict(StepShape().plus(8, 40))
@@ -851,7 +851,7 @@ def test_slo_policy_never_widens_with_an_excursion_bound_of_one() -> None:
     queue_now(scheduler, 20, 40)
     output = step(scheduler)
     assert output.budget.reason == "itl_cap" and output.num_batched_tokens == 2 + 12
-    assert not scheduler.draining
+    assert not scheduler.slo.draining
 
 
 def test_step_records_show_the_budget_decision() -> None:

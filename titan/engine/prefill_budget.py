@@ -45,7 +45,7 @@ drained at the whole token budget until the batch is prefilled, as fcfs would: i
 request is, and the throughput rule bounds a burst's TTFT P99 at 1.1x fcfs's.
 
 A step with no decodes has no token gap to protect and takes the whole budget, but once decodes have been
-seen it stays within X x the ITL target of the typical decodes (the scheduler's `_idle_step_bound`): a
+seen it stays within X x the ITL target of the typical decodes (`SloPlanner._idle_step_bound`): a
 request arriving while it runs waits for all of it. A batch in the queue lifts that bound too.
 """
 

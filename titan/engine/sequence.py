@@ -114,6 +114,12 @@ class Sequence:
             return self.output_token_ids[start - prompt_len:end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
+    def aged_priority(self, now: float, aging_seconds: float) -> float:
+        """Every `aging_seconds` spent since arrival is worth one priority level (0: no aging): nothing starves."""
+        if aging_seconds > 0:
+            return self.priority - (now - self.arrival_time) // aging_seconds
+        return self.priority
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished
