@@ -38,8 +38,9 @@ from common import cpu_description, write_result
 from transients import git_head, run_bench, source_digest, warm_up
 
 from harness.server import ServerProcess
-from titan.bench.analysis import Slo, goodput, summarize
+from titan.bench.analysis import Slo, goodput, itl_samples, summarize
 from titan.bench.client import RequestResult
+from titan.bench.uncertainty import tail_ratio_interval
 from titan.config import SchedulerConfig
 
 SHORT_IN, SHORT_OUT = 150, 64  # steady and burst requests (the issue's burst shape)
@@ -137,10 +138,13 @@ def results_stats(results: list[RequestResult], slo: Slo, duration_s: float, out
     """One server's numbers for a cell: TTFT and gaps of the requests that succeeded, goodput of all sent."""
     ok = [r for r in results if r.success]
     itl = summarize([gap for r in ok for gap in r.itls])
+    # How far ITL P99 / P50 could move on another draw of the same traffic (titan.bench.uncertainty)
+    interval = tail_ratio_interval(itl_samples(ok))
     ttft = summarize([r.ttft for r in ok if r.ttft is not None])
     good = goodput(results, slo, duration_s)
     return {"requests": len(results), "ok": len(ok), "errors": len(results) - len(ok),
             "output_tok_s": output_tok_s, "ttft_ms": ttft, "itl_ms": itl,
+            "itl_p99_over_p50": interval.to_dict() if interval else None,
             "goodput_rps": good["goodput_rps"], "good": good["good"], "attainment": good["attainment"]}
 
 
@@ -184,7 +188,8 @@ def evaluate(cells: dict[str, dict[str, Any]], calibration: Calibration) -> list
         itl, ttft = cand["itl_ms"], cand["ttft_ms"]
         if preset in ("steady", "storm") and itl["p50"]:
             add(f"{key}: ITL P99 <= 2 x P50", itl["p99"] <= 2 * itl["p50"],
-                f"{itl['p99']:.0f} / {itl['p50']:.0f} ms = {itl['p99'] / itl['p50']:.2f}")
+                f"{itl['p99']:.0f} / {itl['p50']:.0f} ms = {itl['p99'] / itl['p50']:.2f}"
+                + interval_note(cand.get("itl_p99_over_p50"), 2.0))
         if preset == "storm" and itl["p50"]:
             add(f"{key}: ITL max <= 3 x P50", itl["max"] <= 3 * itl["p50"],
                 f"{itl['max']:.0f} / {itl['p50']:.0f} ms = {itl['max'] / itl['p50']:.2f}")
@@ -208,11 +213,23 @@ def evaluate(cells: dict[str, dict[str, Any]], calibration: Calibration) -> list
     return targets
 
 
+def interval_note(interval: dict[str, float] | None, bound: float) -> str:
+    """A rule's verdict in words of its block-bootstrap interval: whether another draw could flip it."""
+    if interval is None:
+        return ""
+    spread = f"; {interval['level']:.0%} interval {interval['low']:.2f}-{interval['high']:.2f}"
+    if interval["low"] <= bound < interval["high"]:
+        return spread + f", either side of {bound:g}: another draw could flip it"
+    return spread
+
+
 def print_table(cells: dict[str, dict[str, Any]]) -> None:
     rows = (("output tok/s", lambda c: f"{c['output_tok_s']:.1f}"),
             ("TTFT P50/P99 ms", lambda c: f"{c['ttft_ms']['p50'] or 0:.0f}/{c['ttft_ms']['p99'] or 0:.0f}"),
             ("ITL P50/P99/max ms", lambda c: f"{c['itl_ms']['p50'] or 0:.0f}/{c['itl_ms']['p99'] or 0:.0f}/"
                                              f"{c['itl_ms']['max'] or 0:.0f}"),
+            ("ITL P99/P50 (90 %)", lambda c: "-" if not c.get("itl_p99_over_p50") else
+             "{estimate:.2f} ({low:.2f}-{high:.2f})".format(**c["itl_p99_over_p50"])),
             ("goodput req/s (good/n)", lambda c: f"{c['goodput_rps']:.3f} ({c['good']}/{c['requests']})"),
             ("errors", lambda c: str(c["errors"])))
     print(f"{'cell':<14}{'metric':<24}{'candidate':>20}{'fcfs':>20}")

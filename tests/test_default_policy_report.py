@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from default_policy import LOADS, PRESETS, cell_number, gap_sources  # noqa: E402
+from default_policy import LOADS, PRESETS, cell_number, gap_sources, interval_note  # noqa: E402
 
 
 def test_a_cell_draws_the_full_runs_arrivals_whichever_cells_run_beside_it() -> None:
@@ -50,3 +50,10 @@ def test_no_decodes_no_share_and_too_few_steps_no_scatter() -> None:
     assert gap_sources([step(0.3, 0, 100)]) == {"decode_only_gap_share": None, "decode_only_p99_over_p50": None}
     few = gap_sources([step(0.01, 1, 0)] * 5 + [step(0.03, 1, 4)] * 5)
     assert few == {"decode_only_gap_share": 0.5, "decode_only_p99_over_p50": None}
+
+
+def test_a_rule_says_when_another_draw_could_flip_it() -> None:
+    assert interval_note(None, 2.0) == ""
+    wide = {"estimate": 2.2, "low": 1.85, "high": 2.47, "level": 0.9}
+    assert interval_note(wide, 2.0) == "; 90% interval 1.85-2.47, either side of 2: another draw could flip it"
+    assert interval_note(wide | {"low": 2.05}, 2.0) == "; 90% interval 2.05-2.47"
