@@ -1,9 +1,10 @@
 """Is `slo` fit to be the default policy? The no-flag server against `--scheduling-policy fcfs`, side by side.
 
-One build, two servers loaded at once but driven one at a time (interleaved per cell, the order alternating,
-so drift in the machine's other load hits both alike). The candidate is the server with no scheduling flags
-(slo, auto ITL and TTFT targets; `--scheduling-policy slo` is added should the default ever be another). Both run with
-OMP_NUM_THREADS=1 and --threads 1 (two OpenMP threads stall at barriers on a shared 2-core machine).
+One build, two servers loaded at once but driven one at a time (interleaved per cell, which goes first alternating
+along presets and along loads, so drift in the machine's other load hits both alike). The candidate is the server
+with no scheduling flags (slo, auto ITL and TTFT targets; `--scheduling-policy slo` is added should the default
+ever be another). Both run with OMP_NUM_THREADS=1 and --threads 1 (two OpenMP threads stall at barriers on a shared
+2-core machine).
 
 Calibration, against fcfs: a lone short request gives the solo TTFT and token gap (the goodput SLO is
 ttft = max(1 s, 10 x solo TTFT), itl = 5 x solo gap, every gap, unless --slo is given) and a lone
@@ -60,14 +61,23 @@ class Calibration:
 
 
 def cell_number(preset: str, load: float) -> int:
-    """A cell's place in the full default grid (PRESETS x LOADS, 1-based), which fixes its seed and which server
-    goes first: a run of some presets or loads (`--presets storm`) draws the same arrivals as the full run's
-    cell of that name. Numbered by position in the run instead, a steady + storm run's storm@0.7 drew the full
-    run's steady@1.5 seed. A load outside LOADS numbers past the grid, 100 per preset plus 10x the load."""
+    """A cell's place in the full default grid (PRESETS x LOADS, 1-based), which fixes its seed: a run of some presets
+    or loads (`--presets storm`) draws the same arrivals as the full run's cell of that name. Numbered by
+    position in the run instead, a steady + storm run's storm@0.7 drew the full run's steady@1.5 seed. A load
+    outside LOADS numbers past the grid, 100 per preset plus 10x the load."""
     row = PRESETS.index(preset)
     if load in LOADS:
         return 1 + row * len(LOADS) + LOADS.index(load)
     return 100 * (row + 1) + round(10 * load)
+
+
+def server_order(preset: str, load: float) -> tuple[str, str]:
+    """Which server a cell drives first: a checkerboard over the grid, alternating along presets and along
+    loads, so each load has both orders. By the parity of the cell number (until stop 49) every 0.7x cell ran
+    the candidate first and every 1.5x cell ran it second: the order went with the load."""
+    row = PRESETS.index(preset)
+    column = LOADS.index(load) if load in LOADS else round(10 * load)
+    return ("candidate", "fcfs") if (row + column) % 2 == 0 else ("fcfs", "candidate")
 
 
 def workload_args(preset: str, rate: float, duration: float, seed: int) -> list[str]:
@@ -294,7 +304,7 @@ def main() -> None:
                 key = f"{preset}@{load:g}"
                 rate = load * calibration.capacity[preset]
                 number = cell_number(preset, load)
-                order = ("candidate", "fcfs") if number % 2 == 1 else ("fcfs", "candidate")
+                order = server_order(preset, load)
                 cell: dict[str, Any] = {"rate_rps": rate}
                 for name in order:
                     server = servers[name]

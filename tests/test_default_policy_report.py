@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from default_policy import LOADS, PRESETS, cell_number, gap_sources, interval_note  # noqa: E402
+from default_policy import LOADS, PRESETS, cell_number, gap_sources, interval_note, server_order  # noqa: E402
 
 
 def test_a_cell_draws_the_full_runs_arrivals_whichever_cells_run_beside_it() -> None:
@@ -57,3 +57,12 @@ def test_a_rule_says_when_another_draw_could_flip_it() -> None:
     wide = {"estimate": 2.2, "low": 1.85, "high": 2.47, "level": 0.9}
     assert interval_note(wide, 2.0) == "; 90% interval 1.85-2.47, either side of 2: another draw could flip it"
     assert interval_note(wide | {"low": 2.05}, 2.0) == "; 90% interval 2.05-2.47"
+
+
+def test_each_load_and_each_preset_has_both_server_orders() -> None:
+    firsts = {(preset, load): server_order(preset, load)[0] for preset in PRESETS for load in LOADS}
+    for load in LOADS:
+        assert sorted(firsts[preset, load] for preset in PRESETS) == ["candidate", "candidate", "fcfs", "fcfs"]
+    for preset in PRESETS:
+        assert {firsts[preset, load] for load in LOADS} == {"candidate", "fcfs"}
+    assert all(sorted(server_order(preset, 1.0)) == ["candidate", "fcfs"] for preset in PRESETS)
