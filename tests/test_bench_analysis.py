@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from rich.console import Console
 
 from titan.bench.analysis import (
     LatencySample,
@@ -25,7 +26,7 @@ from titan.bench.analysis import (
 from titan.bench.attribution import NO_CAUSE, AttributionContext, attribute
 from titan.bench.client import RequestResult
 from titan.bench.metrics_scraper import MetricsSample
-from titan.bench.report import AnalysisOptions, build_report, compare_rows
+from titan.bench.report import AnalysisOptions, build_report, compare_rows, print_report
 from titan.bench.runner import RunData
 
 TICK = 1 / 32
@@ -215,6 +216,26 @@ def test_report_is_strict_json_and_consistent() -> None:
     rows = {label: (values, ratios) for label, values, ratios in compare_rows([again, again])}
     assert rows["TTFT p50 (ms)"] == ([250.0, 250.0], [1.0, 1.0])
     assert rows["stalls"][0] == [1.0, 1.0]
+    # 6 s of gaps is three 2 s blocks: too few to say how far the ITL tail could move
+    assert again["transients"]["itl_tail_ratio"] is None and rows["ITL P99 / P50"][0] == [None, None]
+
+
+def test_report_says_how_far_the_itl_tail_could_move() -> None:
+    # 40 s of streams, one every 2 s; those in the middle 20 s each stall once for 100 ms (10 of 780 gaps)
+    results = [stream(i, 2.0 * i, 2.0 * i + 0.25, 40, **({"stall_after": 5, "stall": 0.1} if 5 <= i < 15 else {}))
+               for i in range(20)]
+    run = RunData(results, duration=42.0, started_at="2026-01-01T00:00:00+00:00",
+                  metrics={"available": False, "samples": [], "error": "none"}, scrapes=[], loop_lags=[],
+                  client_gc=[], interrupted=False)
+    report = build_report(run, meta={"model": "m", "base_url": "u", "endpoint": "completions"}, config={},
+                          workload={"preset": "steady"}, options=AnalysisOptions(), include_requests=False)
+    tail = json.loads(json.dumps(report, allow_nan=False))["transients"]["itl_tail_ratio"]
+    assert tail["estimate"] == pytest.approx(report["latency_ms"]["itl"]["p99"] / report["latency_ms"]["itl"]["p50"])
+    assert tail["estimate"] > 2 and tail["low"] <= tail["estimate"] <= tail["high"] and tail["level"] == 0.9
+    console = Console(record=True, width=160)
+    print_report(report, console)
+    row = next(line for line in console.export_text().splitlines() if "ITL P99 / P50" in line)
+    assert f"{tail['estimate']:.2f} (90% interval {tail['low']:.2f}-{tail['high']:.2f}" in row
 
 
 def test_server_step_records_name_gc_preemption_and_prefill_interference() -> None:

@@ -23,6 +23,7 @@ from titan.bench.analysis import (
 )
 from titan.bench.attribution import AttributionContext, attribute
 from titan.bench.runner import RunData
+from titan.bench.uncertainty import BLOCK_SECONDS, tail_ratio_interval
 
 SCHEMA = "titan-bench/1"
 RESULT_FILE = "result.json"
@@ -55,6 +56,8 @@ def transient_analysis(run: RunData, options: AnalysisOptions, scrape_interval: 
         "window_s": options.window,
         "spike_factor": options.spike_factor,
         "itl_median_ms": baseline(itls) * 1000 if itls else None,
+        # how far the run's ITL P99 / P50 could move on another draw of the same traffic
+        "itl_tail_ratio": interval.to_dict() if (interval := tail_ratio_interval(itls)) else None,
         "ttft_median_ms": baseline(ttfts) * 1000 if ttfts else None,
         "spikes": [spike.to_dict() for spike in spikes],
         "stall_threshold_ms": threshold * 1000 if math.isfinite(threshold) else None,
@@ -154,6 +157,10 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         good = report["goodput"]
         slo = ", ".join(f"{key}<={value:g}ms" for key, value in good["slo_ms"].items())
         overview.add_row("goodput", f"{good['goodput_rps']:.2f} req/s ({good['attainment']:.1%} meet {slo})")
+    tail = (report.get("transients") or {}).get("itl_tail_ratio")
+    if tail:
+        overview.add_row("ITL P99 / P50", f"{tail['estimate']:.2f} ({tail['level']:.0%} interval {tail['low']:.2f}-"
+                                          f"{tail['high']:.2f}, {BLOCK_SECONDS:g} s blocks redrawn)")
     console.print(overview)
 
     latency = Table(title="Latency (ms)")
@@ -223,6 +230,7 @@ COMPARE_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     *((f"{metric.upper()} {stat} (ms)", ("latency_ms", metric, stat))
       for metric in ("ttft", "tpot", "itl", "e2e") for stat in ("p50", "p99")),
     ("ITL max (ms)", ("latency_ms", "itl", "max")),
+    ("ITL P99 / P50", ("transients", "itl_tail_ratio", "estimate")),
     ("spikes", ("transients", "spikes")),
     ("stalls", ("transients", "stalls", "count")),
 )
@@ -274,7 +282,7 @@ def print_compare(reports: list[dict[str, Any]], names: list[str], console: Any 
             table.add_column("ratio", justify="right")
     for label, values, ratios in compare_rows(reports):
         cells = []
-        digits = 3 if label == "SLO attainment" else 0 if label in COUNT_ROWS else 1
+        digits = 3 if label == "SLO attainment" else 2 if label == "ITL P99 / P50" else 0 if label in COUNT_ROWS else 1
         for position, (value, ratio) in enumerate(zip(values, ratios, strict=True)):
             cells.append(_number(value, digits))
             if position:
