@@ -49,3 +49,11 @@ def test_draws_are_reproducible_and_too_short_a_run_has_no_interval() -> None:
     assert tail_ratio_interval(samples, seed=3) == tail_ratio_interval(samples, seed=3)
     short = [s for block in range(MIN_BLOCKS - 1) for s in stretch(block, [0.010] * 100)]
     assert tail_ratio_interval(short) is None
+
+
+def test_a_median_of_chunked_reads_gives_no_interval() -> None:
+    # in three stretches of four, tokens mostly arrive several to a chunk (gaps of 0): 45 % of the run's gaps, so
+    # its own median is 10 ms, but a redrawn run with few of the other stretches has a median of 0
+    chunked = [0.0] * 60 + [0.010] * 40
+    samples = [s for block in range(20) for s in stretch(block, chunked if block % 4 else [0.010] * 100)]
+    assert tail_ratio_interval(samples) is None
