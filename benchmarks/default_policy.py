@@ -41,7 +41,7 @@ from transients import git_head, run_bench, source_digest, warm_up
 from harness.server import ServerProcess
 from titan.bench.analysis import Slo, goodput, itl_samples, summarize
 from titan.bench.client import RequestResult
-from titan.bench.uncertainty import tail_ratio_interval
+from titan.bench.uncertainty import Interval, tail_ratio_interval
 from titan.config import SchedulerConfig
 
 SHORT_IN, SHORT_OUT = 150, 64  # steady and burst requests (the burst shape)
@@ -228,7 +228,7 @@ def interval_note(interval: dict[str, float] | None, bound: float) -> str:
     if interval is None:
         return ""
     spread = f"; {interval['level']:.0%} interval {interval['low']:.2f}-{interval['high']:.2f}"
-    if interval["low"] <= bound < interval["high"]:
+    if Interval(**interval).straddles(bound):
         return spread + f", either side of {bound:g}: another draw could flip it"
     return spread
 
