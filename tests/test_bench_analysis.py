@@ -224,6 +224,11 @@ def test_report_says_how_far_the_itl_tail_could_move() -> None:
     # 40 s of streams, one every 2 s; those in the middle 20 s each stall once for 100 ms (10 of 780 gaps)
     results = [stream(i, 2.0 * i, 2.0 * i + 0.25, 40, **({"stall_after": 5, "stall": 0.1} if 5 <= i < 15 else {}))
                for i in range(20)]
+    # a request that broke off mid-stream after twenty 0.5 s gaps: not in latency_ms's percentiles, so not in the
+    # ratio (with them the P99 would be 0.5 s)
+    broken = stream(20, 20.0, 20.25, 21, error="connection reset", error_kind="connect")
+    broken.token_times = [20.25 + 0.5 * k for k in range(21)]
+    results.append(broken)
     run = RunData(results, duration=42.0, started_at="2026-01-01T00:00:00+00:00",
                   metrics={"available": False, "samples": [], "error": "none"}, scrapes=[], loop_lags=[],
                   client_gc=[], interrupted=False)

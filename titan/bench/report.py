@@ -56,8 +56,10 @@ def transient_analysis(run: RunData, options: AnalysisOptions, scrape_interval: 
         "window_s": options.window,
         "spike_factor": options.spike_factor,
         "itl_median_ms": baseline(itls) * 1000 if itls else None,
-        # how far the run's ITL P99 / P50 could move on another draw of the same traffic
-        "itl_tail_ratio": interval.to_dict() if (interval := tail_ratio_interval(itls)) else None,
+        # how far the run's ITL P99 / P50 could move on another draw of the same traffic: over the gaps of the
+        # requests that succeeded, as latency_ms's percentiles are
+        "itl_tail_ratio": interval.to_dict() if (interval := tail_ratio_interval(
+            itl_samples([result for result in run.results if result.success]))) else None,
         "ttft_median_ms": baseline(ttfts) * 1000 if ttfts else None,
         "spikes": [spike.to_dict() for spike in spikes],
         "stall_threshold_ms": threshold * 1000 if math.isfinite(threshold) else None,
