@@ -195,6 +195,14 @@ def test_greedy_http_equals_offline(client: openai.OpenAI, model_name: str) -> N
     offline = [llm.generate(prompt, params)[0].text for prompt in prompts]
     assert http_texts == offline
     assert http_chat == llm.chat(conversation, params).text
+    # A reply begun for the model, continued the same way online and offline.
+    begun = conversation + [{"role": "assistant", "content": "The capital of Germany is"}]
+    http_continued = client.chat.completions.create(
+        model=model_name, messages=begun, max_tokens=8, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    offline_continued = llm.chat(begun, params, add_generation_prompt=False, continue_final_message=True)
+    assert http_continued.choices[0].message.content == offline_continued.text
+    assert len(offline_continued.prompt_token_ids) == http_continued.usage.prompt_tokens
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -128,6 +128,11 @@ def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProces
     ("/v1/completions", "suffix", " and then"),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "use_beam_search", True),
+    ("/v1/chat/completions", "chat_template", "{{ messages[0].content }}"),
+    ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "cache_salt", "tenant-a"),
+    ("/v1/completions", "return_tokens_as_token_ids", True),
+    ("/v1/completions", "length_penalty", 0.5),
 ])
 def test_known_fields_titan_cannot_honour_are_400_naming_them(server: ServerProcess, route: str, field: str,
                                                              value: object) -> None:
@@ -136,6 +141,63 @@ def test_known_fields_titan_cannot_honour_are_400_naming_them(server: ServerProc
     assert response.status_code == 400, response.text
     assert response.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
                                                           "param": field, "code": "unsupported_parameter"}
+
+
+def test_chat_template_fields_shape_the_prompt(server: ServerProcess) -> None:
+    begun = ASK + [{"role": "assistant", "content": "Paris is the capital of"}]
+
+    def tokens(body: dict) -> list[int]:
+        reply = httpx.post(server.url + "/tokenize", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["tokens"]
+
+    def detokenize(ids: list[int]) -> str:
+        return httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+
+    # continue_final_message: the prompt ends inside the begun reply, not after its end-of-turn marker.
+    continued = tokens({"messages": begun, "add_generation_prompt": False, "continue_final_message": True})
+    closed = tokens({"messages": begun, "add_generation_prompt": False})
+    assert detokenize(continued).endswith("<|im_start|>assistant\nParis is the capital of")
+    assert closed[:len(continued)] == continued and detokenize(closed[len(continued):]).startswith("<|im_end|>")
+    # add_generation_prompt false: the same conversation without the opened assistant turn.
+    opened, plain = tokens({"messages": ASK}), tokens({"messages": ASK, "add_generation_prompt": False})
+    assert opened[:len(plain)] == plain and detokenize(opened[len(plain):]) == "<|im_start|>assistant\n"
+    # The chat endpoint feeds the model those very tokens, and the model goes on with the begun sentence.
+    body = {"messages": begun, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3,
+            "temperature": 0}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert reply["usage"]["prompt_tokens"] == len(continued)
+    assert not reply["choices"][0]["message"]["content"].startswith("<|im_end|>")
+    plain_reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 1,
+                                                                        "add_generation_prompt": False}, timeout=120)
+    assert plain_reply.json()["usage"]["prompt_tokens"] == len(plain)
+    # Completions honour add_special_tokens (this tokenizer adds no BOS, so both counts agree with /tokenize).
+    for add in (True, False):
+        counted = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1,
+                                                                   "add_special_tokens": add}, timeout=120).json()
+        assert counted["usage"]["prompt_tokens"] == len(tokens({"prompt": "Hi", "add_special_tokens": add}))
+    # chat_template_kwargs the template does not read change nothing and are logged once by name.
+    for _ in range(2):
+        assert tokens({"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}) == opened
+    assert server.log().count("chat_template_kwargs 'enable_thinking' is not read") == 1
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"documents": [{"title": "t", "text": "x"}]}, "documents"),
+    ("/tokenize", {"documents": [{"title": "t", "text": "x"}]}, "documents"),
+    ("/tokenize", {"chat_template": "{{ messages }}"}, "chat_template"),
+    # Bad constraints: the GBNF converter's own error type once reached the client as a 500 (fuzzing found it).
+    ("/v1/chat/completions", {"guided_grammar": "d\u009c\u00af"}, "guided_grammar"),
+    ("/v1/chat/completions", {"guided_grammar": "root ::= ("}, "guided_grammar"),
+    ("/v1/chat/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
+])
+def test_request_field_errors_name_the_field(server: ServerProcess, route: str, body: dict, param: str) -> None:
+    reply = httpx.post(server.url + route, json={"messages": ASK, "max_tokens": 1} | body, timeout=120)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param and reply.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_unknown_fields_are_served_and_logged_once(server: ServerProcess) -> None:

@@ -14,6 +14,7 @@ from titan.tokenizer.chat_template import (
     ChatTemplateError,
     normalize_messages,
     render_chat_template,
+    template_variables,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -159,3 +160,47 @@ def test_tokenizer_passes_its_special_tokens(tmp_path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer.from_folder(tmp_path)
     assert tokenizer.apply_chat_template(CONVERSATIONS[0]) == "<s>Hello!</s>"
+
+
+# A reply begun for the model: once ending in spaces (kept where the template keeps text as it is, trimmed
+# where the template trims it, as transformers does).
+PREFILLED = [
+    CONVERSATIONS[2][:3] + [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is"}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite colour is "}],
+]
+
+
+@pytest.mark.parametrize("template", [SMOLLM2_TEMPLATE, LLAMA3_STYLE_TEMPLATE, BLOCKY_TEMPLATE],
+                         ids=["smollm2", "llama3-style", "blocky"])
+def test_continue_final_message_matches_transformers(reference, template: str) -> None:
+    for messages in PREFILLED:
+        expected = reference.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                                 add_generation_prompt=False, continue_final_message=True)
+        rendered = render(template, messages, add_generation_prompt=False, continue_final_message=True)
+        assert rendered == expected
+        assert rendered.rstrip().endswith(messages[-1]["content"].rstrip())
+    # What the continued prompt leaves out is exactly the template's closing of that message.
+    closed = render(SMOLLM2_TEMPLATE, PREFILLED[0], add_generation_prompt=False)
+    assert closed == render(SMOLLM2_TEMPLATE, PREFILLED[0], add_generation_prompt=False,
+                            continue_final_message=True) + "<|im_end|>\n"
+
+
+def test_continue_final_message_errors() -> None:
+    with pytest.raises(ChatTemplateError, match="add_generation_prompt"):
+        render(SMOLLM2_TEMPLATE, PREFILLED[0], continue_final_message=True)  # add_generation_prompt defaults on
+    tool_call = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "1"}]}]
+    with pytest.raises(ChatTemplateError, match="text content"):
+        render(SMOLLM2_TEMPLATE, tool_call, add_generation_prompt=False, continue_final_message=True)
+    drops_text = "{% for m in messages %}<{{ m.role }}>{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="nothing to continue"):
+        render(drops_text, PREFILLED[0], add_generation_prompt=False, continue_final_message=True)
+
+
+def test_template_variables_and_kwargs_reach_the_template() -> None:
+    template = ("{% if enable_thinking %}<think>{% endif %}{% for d in documents or [] %}[{{ d.text }}]{% endfor %}"
+                "{{ messages[0].content }}")
+    assert template_variables(template) == {"enable_thinking", "documents", "messages"}
+    assert "enable_thinking" not in template_variables(SMOLLM2_TEMPLATE)
+    docs = [{"title": "a", "text": "doc one"}]
+    assert render(template, CONVERSATIONS[0], enable_thinking=True, documents=docs) == "<think>[doc one]Hello!"
+    assert render(template, CONVERSATIONS[0], enable_thinking=False) == "Hello!"

@@ -19,7 +19,7 @@ from typing import Any
 
 import llguidance
 import torch
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from titan.tokenizer import Tokenizer
 
@@ -132,7 +132,7 @@ class GrammarCompiler:
                 return self._cache[key]
         try:
             grammar = constraint.grammar()
-        except ValueError as error:
+        except (ValueError, GbnfToLarkError) as error:  # the GBNF converter's error is no ValueError
             raise GrammarError(f"invalid {constraint.param}: {error}", constraint.param) from error
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():

@@ -61,5 +61,14 @@ class LLM:
         self,
         messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestOutput:
-        return self.generate(self.tokenizer.encode_chat(messages), sampling_params)[0]
+        """One reply to `messages`, rendered by the model's chat template (vLLM's `LLM.chat` keywords:
+        `continue_final_message` goes on with the last message, and needs `add_generation_prompt=False`)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                                  continue_final_message=continue_final_message,
+                                                  **(chat_template_kwargs or {}))
+        return self.generate(self.tokenizer.encode(text), sampling_params)[0]

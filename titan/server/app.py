@@ -12,6 +12,7 @@ Endpoints:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -42,9 +43,11 @@ from titan.server.api_models import (
 )
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
+from titan.server.chat_prompt import chat_prompt_ids, check_template_reads
 from titan.server.coalesce import FlightRelease
 from titan.server.completions import create_completion
 from titan.server.errors import bad_request, install_error_handlers, validation_error
+from titan.server.fields import check_extra_fields
 from titan.server.gateway import Gateway
 from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.server.middleware import APIKeyCheck, BodySizeLimit, OpenResponseCount
@@ -176,17 +179,19 @@ def build_app(
         body = await parse_body(request, TokenizeRequest)
         info = state.serving_info()
         check_model(body.model, [state.model_name])
+        check_extra_fields(body.model_extra)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either prompt or messages", param="prompt")
         if body.messages is not None:
+            body.check_template_fields()
+            check_template_reads(info.tokenizer, body)
             messages = template_messages(body.messages)
             try:
-                text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+                tokens = await asyncio.to_thread(chat_prompt_ids, info.tokenizer, messages, body)
             except ValueError as error:
                 raise bad_request(f"Cannot apply the chat template: {error}", param="messages") from error
-            tokens = await tokenize(info.tokenizer, text)
         else:
-            tokens = await tokenize(info.tokenizer, body.prompt or "", body.add_special_tokens)
+            tokens = await tokenize(info.tokenizer, body.prompt or "", body.add_special_tokens is not False)
         strings = [info.tokenizer.id_to_token(t) or "" for t in tokens] if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens, "token_strs": strings}
 

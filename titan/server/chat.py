@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from titan.engine.llm_engine import EngineInfo
 from titan.engine.outputs import RequestOutput
 from titan.engine.scheduler_output import TokenLogprobs
+from titan.server.chat_prompt import chat_prompt_ids, check_template_reads
 from titan.server.errors import bad_request
 from titan.server.generation import GenerationRoute, Prepared, handle_generation
 from titan.server.protocol import ChatCompletionRequest, check_context
@@ -57,10 +58,10 @@ class ChatRoute(GenerationRoute):
         native = template_knows_tools(tokenizer.chat_template)
         messages = render_conversation(body.template_messages(), self.tools, native)
 
+        check_template_reads(tokenizer, body)
+
         def encode() -> list[int]:
-            if native and self.tools:
-                return tokenizer.encode(tokenizer.apply_chat_template(messages, True, tools=self.tools))
-            return tokenizer.encode_chat(messages)
+            return chat_prompt_ids(tokenizer, messages, body, self.tools if native else None)
 
         try:
             if sum(len(message.get("content") or "") for message in messages) <= INLINE_TOKENIZE_CHARS:

@@ -42,7 +42,7 @@ class CompletionRoute(GenerationRoute):
         prompt_ids: list[list[int]] = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
-                prompt_ids.append(await tokenize(info.tokenizer, prompt))
+                prompt_ids.append(await tokenize(info.tokenizer, prompt, body.add_special_tokens))
             else:
                 check_token_ids(prompt, info.vocab_size)
                 prompt_ids.append(list(prompt))

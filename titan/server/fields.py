@@ -43,12 +43,22 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "include_stop_str_in_output": _truthy,
     "logits_processors": _truthy,
     "truncate_prompt_tokens": _given,
+    "chat_template": _given,  # a request's own Jinja template: only the model's runs here
+    "echo": _truthy,  # on chat (completions has its own echo field): the last message is not prepended
+    "length_penalty": lambda value: value not in (None, 1, 1.0),  # beam search only
+    "structural_tag": _given,
+    "return_tokens_as_token_ids": _truthy,
+    "return_token_ids": _truthy,
+    "prompt_embeds": _given,
+    "cache_salt": _given,  # no per-request prefix-cache isolation
+    "kv_transfer_params": _given,
+    "vllm_xargs": _given,
+    "mm_processor_kwargs": _truthy,
 }
 # Known fields that change nothing Titan computes: accepted without a word.
+# (spaces_between_special_tokens: vLLM applies it to slow tokenizers only; Titan's is a fast one.)
 INFORMATIONAL_FIELDS = frozenset({"metadata", "service_tier", "guided_decoding_backend",
-                                  "guided_whitespace_pattern", "request_id", "add_generation_prompt",
-                                  "continue_final_message", "add_special_tokens", "documents",
-                                  "chat_template_kwargs", "spaces_between_special_tokens"})
+                                  "guided_whitespace_pattern", "request_id", "spaces_between_special_tokens"})
 
 _logged: set[str] = set()
 _lock = threading.Lock()

@@ -195,6 +195,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for the legacy endpoint
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: false tokenizes text prompts without a BOS the tokenizer adds
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts, each text or token ids."""
@@ -276,7 +277,44 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+# Names the chat template gets from the server itself; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                     "continue_final_message", "bos_token", "eos_token", "unk_token",
+                                     "pad_token", "raise_exception", "strftime_now"})
+
+
+class ChatTemplateFields(BaseModel):
+    """How chat messages become the prompt (vLLM's fields, on /v1/chat/completions and /tokenize)."""
+
+    add_generation_prompt: bool = True
+    # The prompt ends inside the last message, so the model continues it (a reply begun for it).
+    continue_final_message: bool = False
+    # None: a BOS only where the tokenizer adds one and the template did not write it; false: none at all.
+    add_special_tokens: bool | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_fields(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt set to false: the prompt "
+                              "cannot both continue the last message and open a new one",
+                              param="continue_final_message")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs cannot set {', '.join(reserved)} (the server passes "
+                              "those to the template itself)", param="chat_template_kwargs")
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of Tokenizer.apply_chat_template for these fields."""
+        options = dict(self.chat_template_kwargs or {})
+        options.update(add_generation_prompt=self.add_generation_prompt,
+                       continue_final_message=self.continue_final_message)
+        if self.documents is not None:
+            options["documents"] = self.documents
+        return options
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: whatever the context leaves
     max_completion_tokens: int | None = None
@@ -288,6 +326,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
+        self.check_template_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         choice = self.tool_choice
@@ -372,14 +411,15 @@ def check_model(requested: str | None, served_names: list[str]) -> None:
                        param="model", code="model_not_found")
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's POST /tokenize: a prompt, or chat messages rendered through the chat template."""
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered through the chat template (with the chat
+    endpoint's template fields). add_special_tokens None: true for a prompt, the chat default for messages."""
+
+    model_config = ConfigDict(extra="allow")  # refused or logged by check_extra_fields, never dropped
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 

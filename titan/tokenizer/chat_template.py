@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -78,6 +79,15 @@ def compile_template(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"invalid chat template: {error}") from error
 
 
+@functools.lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The names `template` reads from its caller (messages, tools, documents, its own keyword arguments)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateSyntaxError as error:
+        raise ChatTemplateError(f"invalid chat template: {error}") from error
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Copy messages, turning OpenAI-style content parts (`[{"type": "text", "text": ...}]`) into one
     string joined by newlines, so every template sees plain string content."""
@@ -110,19 +120,52 @@ def render_chat_template(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     special_tokens: Mapping[str, str | None] | None = None,
     tools: list[dict[str, Any]] | None = None,
     **template_kwargs: Any,
 ) -> str:
-    """Render `template` for `messages`; `special_tokens` supplies `bos_token`, `eos_token`, ..."""
+    """Render `template` for `messages`; `special_tokens` supplies `bos_token`, `eos_token`, ...
+
+    continue_final_message: the prompt ends inside the last message, after its text, with nothing the
+    template closes it with, so the model goes on writing that message (an assistant reply begun for it)."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
     # Unset special tokens stay undefined (rendering as ""), as in transformers.
     variables: dict[str, Any] = {name: value for name, value in (special_tokens or {}).items() if value}
     variables.update(template_kwargs)
-    variables.update(messages=normalize_messages(messages), add_generation_prompt=add_generation_prompt,
+    normalized = normalize_messages(messages)
+    if continue_final_message:
+        normalized[-1] = _marked(normalized[-1] if normalized else None)
+    variables.update(messages=normalized, add_generation_prompt=add_generation_prompt,
                      tools=tools, documents=template_kwargs.get("documents"))
     try:
-        return compile_template(template).render(**variables)
+        rendered = compile_template(template).render(**variables)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"chat template failed: {error}") from error
+    return _cut_at_marker(rendered) if continue_final_message else rendered
+
+
+# Appended to the message being continued, so the rendered prompt can be cut where its text ends. The
+# trailing space tells whether the template strips message text: if it is gone, the template trims, and the
+# cut text is trimmed too (transformers' and vLLM's prompt for the same request).
+_CONTINUE_MARKER = "\u2063titan-continue\u2063 "
+
+
+def _marked(message: dict[str, Any] | None) -> dict[str, Any]:
+    content = None if message is None else message.get("content")
+    if not isinstance(content, str):
+        raise ChatTemplateError("continue_final_message needs a final message with text content")
+    return {**message, "content": content + _CONTINUE_MARKER}  # type: ignore[dict-item]
+
+
+def _cut_at_marker(rendered: str) -> str:
+    marker = _CONTINUE_MARKER.rstrip()
+    at = rendered.rfind(marker)
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the final "
+                                "message's text, so there is nothing to continue")
+    kept_spacing = rendered.startswith(_CONTINUE_MARKER, at)
+    return rendered[:at] if kept_spacing else rendered[:at].rstrip()

@@ -128,6 +128,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
@@ -145,6 +146,7 @@ class Tokenizer:
         special_tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                           "unk_token": self.unk_token, "pad_token": self.pad_token}
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
                                     special_tokens=special_tokens, tools=tools, **template_kwargs)
 
     def _id_of(self, token: str | None) -> int | None:
