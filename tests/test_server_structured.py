@@ -193,9 +193,17 @@ def test_chat_template_fields_shape_the_prompt(server: ServerProcess) -> None:
     ("/v1/chat/completions", {"guided_grammar": "d\u009c\u00af"}, "guided_grammar"),
     ("/v1/chat/completions", {"guided_grammar": "root ::= ("}, "guided_grammar"),
     ("/v1/chat/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
+    # Known options inside objects, named by their path.
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a+", "structural_tag": "{}"}},
+     "structured_outputs.structural_tag"),
 ])
 def test_request_field_errors_name_the_field(server: ServerProcess, route: str, body: dict, param: str) -> None:
-    reply = httpx.post(server.url + route, json={"messages": ASK, "max_tokens": 1} | body, timeout=120)
+    base = {"prompt": "Hi"} if route == "/v1/completions" else {"messages": ASK}
+    reply = httpx.post(server.url + route, json=base | {"max_tokens": 1} | body, timeout=120)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param and reply.json()["error"]["type"] == "invalid_request_error"
 
@@ -206,6 +214,11 @@ def test_unknown_fields_are_served_and_logged_once(server: ServerProcess) -> Non
                               json={"prompt": "Hi", "max_tokens": 2, "frobnicate": True}, timeout=120)
         assert response.status_code == 200
     assert server.log().count("ignoring unknown request field 'frobnicate'") == 1
+    nested = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True,
+                                                             "stream_options": {"include_usage": True, "tempo": 1}},
+                        timeout=120)
+    assert nested.status_code == 200 and '"usage":{"prompt_tokens"' in nested.text
+    assert server.log().count("ignoring unknown request field 'stream_options.tempo'") == 1
 
 
 def test_echo_with_logprobs_scores_the_prompt_like_teacher_forcing(server: ServerProcess) -> None:

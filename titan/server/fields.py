@@ -54,19 +54,29 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "kv_transfer_params": _given,
     "vllm_xargs": _given,
     "mm_processor_kwargs": _truthy,
+    # Inside objects (the name is the field's path):
+    "stream_options.continuous_usage_stats": _truthy,  # usage comes in the last chunk only
+    "structured_outputs.structural_tag": _given,
+    "structured_outputs.whitespace_pattern": _given,
+    "structured_outputs.disable_additional_properties": _truthy,
 }
 # Known fields that change nothing Titan computes: accepted without a word.
-# (spaces_between_special_tokens: vLLM applies it to slow tokenizers only; Titan's is a fast one.)
+# (spaces_between_special_tokens: vLLM applies it to slow tokenizers only, and Titan's is a fast one; JSON
+# constraints here never allow free whitespace, so disable_any_whitespace holds already; there is no fallback
+# grammar backend to disable.)
 INFORMATIONAL_FIELDS = frozenset({"metadata", "service_tier", "guided_decoding_backend",
-                                  "guided_whitespace_pattern", "request_id", "spaces_between_special_tokens"})
+                                  "guided_whitespace_pattern", "request_id", "spaces_between_special_tokens",
+                                  "structured_outputs.disable_any_whitespace", "structured_outputs.disable_fallback"})
 
 _logged: set[str] = set()
 _lock = threading.Lock()
 
 
-def check_extra_fields(extra: Mapping[str, Any] | None) -> None:
-    """400 for a known field Titan cannot honour; a one-time WARNING for each unknown field name."""
-    for name, value in (extra or {}).items():
+def check_extra_fields(extra: Mapping[str, Any] | None, prefix: str = "") -> None:
+    """400 for a known field Titan cannot honour; a one-time WARNING for each unknown field name. `prefix`:
+    the path of the object holding them (`stream_options.`)."""
+    for key, value in (extra or {}).items():
+        name = prefix + key
         rule = UNSUPPORTED_FIELDS.get(name)
         if rule is not None:
             if rule(value):

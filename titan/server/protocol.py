@@ -24,6 +24,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # refused or logged by check_common, never dropped
+
     include_usage: bool = False
 
 
@@ -44,9 +46,9 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsRequest(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of these."""
+    """vLLM's `structured_outputs`: exactly one of these (its other options are refused or logged)."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
 
     json_spec: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -148,6 +150,10 @@ class SamplingRequest(BaseModel):
 
     def check_common(self) -> None:
         check_extra_fields(self.model_extra)
+        if self.stream_options is not None:
+            check_extra_fields(self.stream_options.model_extra, "stream_options.")
+        if self.structured_outputs is not None:
+            check_extra_fields(self.structured_outputs.model_extra, "structured_outputs.")
         if self.n < 1 or self.n > MAX_N:
             raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
