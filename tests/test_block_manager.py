@@ -1,6 +1,6 @@
 """Block manager: reference counts, free list, prefix caching and eviction — no model needed."""
 
-from titan.engine.block_manager import BlockManager
+from titan.engine.block_manager import BlockManager, chain_hash, chain_root
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.sequence import Sequence
 
@@ -148,3 +148,17 @@ def test_hash_chains_over_parent_so_equal_blocks_at_different_depths_differ() ->
     # [3, 4] is cached, but only after [1, 2]; a prompt starting with [3, 4] must miss.
     assert manager.find_cached_prefix(make_seq([3, 4, 5])) == []
     assert len(manager.find_cached_prefix(make_seq([1, 2, 3, 4, 9]))) == 2
+
+
+def test_cache_salt_seeds_the_hash_chain() -> None:
+    manager = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(9))
+    owner = Sequence(tokens, SamplingParams(max_tokens=8), cache_salt="a")
+    assert computed(manager, owner, 9)
+    assert manager.find_cached_prefix(Sequence(tokens, SamplingParams(), cache_salt="a")) == owner.block_table[:2]
+    assert manager.find_cached_prefix(Sequence(tokens, SamplingParams(), cache_salt="b")) == []
+    assert manager.find_cached_prefix(make_seq(tokens)) == []
+    # SHA-256 over the parent's digest and the block's token ids (Python's hash() can be made to collide).
+    first = chain_hash(chain_root("a"), tokens[:4])
+    assert owner.block_hashes == [first, chain_hash(first, tokens[4:8])] and len(first) == 32
+    assert chain_root(None) == b"" and chain_hash(b"", [1, 2]) != chain_hash(b"", [2, 1])

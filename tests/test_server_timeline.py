@@ -85,3 +85,21 @@ def test_batch_degradation_is_visible_and_counted(server: ServerProcess) -> None
     counted = server.metric_samples("titan:degraded_requests_total")
     assert all(sample.labels["kind"] == "max_tokens" for sample in counted)
     assert sum(sample.value for sample in counted) == 4
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(server: ServerProcess) -> None:
+    prompt = "A salted prompt, long enough for several full blocks of the prefix cache: " + "tide and wind " * 12
+
+    def cached(**fields: object) -> int:
+        body = {"prompt": prompt, "max_tokens": 1, "titan_timeline": True} | fields
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["titan_timeline"]["cached_prompt_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 32  # the same salt shares the blocks it published
+    assert cached(cache_salt="tenant-b") == 0  # another salt never sees them
+    assert cached() == 0  # nor does an unsalted request
+    assert cached() >= 32
+    empty = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "cache_salt": ""}, timeout=30)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"

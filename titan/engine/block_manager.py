@@ -4,13 +4,36 @@ A full block is identified by a hash chained over its parent's hash and its own 
 prefixes map to equal blocks. Blocks are shared by reference count; a block whose count drops to zero
 keeps its cached content and waits in the free list (least recently used first) until a new allocation
 needs it.
+
+The hash is SHA-256, not Python's `hash()`: a tuple hash of small ints can be steered to collide, and a
+prompt crafted to collide would publish its blocks under another prompt's hash, so every later request
+with that prefix would read its K/V (the class of vLLM's CVE-2025-25183). A sequence's `cache_salt` seeds
+its chain: requests with different salts (tenants) never share blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence as Tokens
 
 from titan.engine.sequence import Sequence
+
+# Token ids as 4-byte unsigned integers: every vocabulary fits, and the bytes of a block are fixed-size.
+_TOKEN_CODE = "I" if array("I").itemsize == 4 else "L"
+
+
+def chain_root(cache_salt: str | None) -> bytes:
+    """The parent digest of a sequence's first block."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"titan-cache-salt\0" + cache_salt.encode()).digest()
+
+
+def chain_hash(parent: bytes, token_ids: Tokens[int]) -> bytes:
+    """The digest of a full block after `parent`'s: equal only for equal token prefixes (and salts)."""
+    return hashlib.sha256(parent + array(_TOKEN_CODE, token_ids).tobytes()).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,7 +46,7 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
 
 
 class BlockManager:
@@ -36,13 +59,13 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: the front is reused first.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.cache_version = 0  # changes whenever hash_to_block does: lookups made before may be stale
         # Per sequence: how many of its full blocks are registered in the prefix cache.
         self.num_registered_blocks: dict[int, int] = {}
         # Full prompt blocks a running sequence has still to publish (hash → seq_id): a request that
         # shares them waits for them instead of computing them a second time.
-        self.in_flight: dict[int, int] = {}
+        self.in_flight: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -57,14 +80,13 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     # ---- prefix cache ------------------------------------------------------------------------
-    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """Extend the sequence's chained block hashes to cover `num_full_blocks` blocks."""
         hashes = seq.block_hashes
         size = self.block_size
         for index in range(len(hashes), num_full_blocks):
-            parent = hashes[-1] if hashes else None
-            tokens = tuple(seq.token_ids_slice(index * size, (index + 1) * size))
-            hashes.append(hash((parent, tokens)))
+            parent = hashes[-1] if hashes else chain_root(seq.cache_salt)
+            hashes.append(chain_hash(parent, seq.token_ids_slice(index * size, (index + 1) * size)))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

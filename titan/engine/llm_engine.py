@@ -183,11 +183,13 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """Queue a request; raises RequestRejectedError if it can never fit, AdmissionRejectedError if the
-        server is too loaded to start it in time. `arrival_time` (time.monotonic()) defaults to now."""
+        server is too loaded to start it in time. `arrival_time` (time.monotonic()) defaults to now; only
+        requests with the same `cache_salt` share prefix-cache blocks."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id, priority, arrival_time)
+        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id, priority, arrival_time, cache_salt)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.scheduler.check_admissible(seq)

@@ -42,6 +42,7 @@ class Sequence:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -58,8 +59,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hit of the first admission
         self.block_table: list[int] = []
         # Chained hashes of this sequence's full blocks (prefix caching); tokens never change, so they
-        # stay valid across preemption.
-        self.block_hashes: list[int] = []
+        # stay valid across preemption. The salt seeds the chain: only equal salts share cached blocks.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
         # Preemption cost: tokens whose K/V were dropped and recomputed, and seconds spent requeued.
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0

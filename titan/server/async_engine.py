@@ -44,6 +44,7 @@ class EngineRequest:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # when the HTTP request came in
     prompt_index: int = 0  # which prompt of its HTTP request: the n choices of one prompt form one group
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
 
 class RequestRejected(Exception):
@@ -350,7 +351,7 @@ class AsyncEngine:
             elif isinstance(command, EngineRequest):
                 try:
                     seq = engine.add_request(command.prompt_token_ids, command.sampling_params, command.request_id,
-                                             command.priority, command.arrival_time)
+                                             command.priority, command.arrival_time, command.cache_salt)
                     for kind in seq.degradations:
                         self.metrics.record_degradation(kind)
                     accepted.append((command.request_id, dict(seq.degradations)))

@@ -50,7 +50,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "return_tokens_as_token_ids": _truthy,
     "return_token_ids": _truthy,
     "prompt_embeds": _given,
-    "cache_salt": _given,  # no per-request prefix-cache isolation
     "kv_transfer_params": _given,
     "vllm_xargs": _given,
     "mm_processor_kwargs": _truthy,

@@ -145,13 +145,13 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
             return replay_hit(plan, route, envelope, body.stream)
 
     if body.stream:
-        stream = await submit(state, request_id, prepared.choices, priority, arrival_time)
+        stream = await submit(state, request_id, prepared.choices, priority, arrival_time, body.cache_salt)
         response = sse_response(stream_events(route, prepared, stream, envelope, plan), stream)
         response.headers.update(plan.headers() if plan is not None else {})
         return response
 
     async def run() -> Response:
-        stream = await submit(state, request_id, prepared.choices, priority, arrival_time)
+        stream = await submit(state, request_id, prepared.choices, priority, arrival_time, body.cache_salt)
         finals = await run_to_completion(stream)
         if plan is not None:
             finals = plan.filter_finals(finals)

@@ -85,6 +85,8 @@ class SamplingRequest(BaseModel):
     priority: int | None = Field(default=None, ge=-INT32_MAX - 1, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # Only requests with the same salt share prefix-cache blocks (a tenant's prompts stay unobservable).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Titan extension: return each choice's timeline (queued, prefill chunks, decode, stalls) when it finishes.
     titan_timeline: bool = False
     # Titan extensions: false opts this request out of the result/semantic caches; true opts into the semantic one.

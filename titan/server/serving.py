@@ -146,10 +146,10 @@ async def run_to_completion(stream: OutputStream) -> dict[int, RequestOutput]:
 
 
 async def submit(state: ServerState, request_id: str, choices: list[Choice], priority: int,
-                 arrival_time: float) -> OutputStream:
+                 arrival_time: float, cache_salt: str | None = None) -> OutputStream:
     """Hand the choices to the engine; `arrival_time` (time.monotonic()) is when the HTTP request came in."""
     requests = [EngineRequest(f"{request_id}-{choice.index}", choice.prompt_token_ids, choice.params, priority,
-                              arrival_time, choice.prompt_index) for choice in choices]
+                              arrival_time, choice.prompt_index, cache_salt) for choice in choices]
     try:
         return await state.engine.submit(requests)
     except RequestRejected as error:
