@@ -52,6 +52,7 @@ def test_keys_file_hashes_keys_and_refuses_bad_entries() -> None:
                         ({"keys": [{"key": "k", "tenant": "a", "priority": "vip"}]}, "priority"),
                         ({"keys": [{"key": "k", "tenant": "a", "tokens_per_minute": 0}]}, "positive"),
                         ({"keys": [{"key": "k", "tenant": "a", "colour": "red"}]}, "unknown field"),
+                        ({"keys": [{"key": "k", "tenant": "a", "isolate_prefix_cache": "yes"}]}, "true or false"),
                         ({"keys": [{"key": "k", "tenant": "a"}, {"key": "k", "tenant": "b"}]}, "twice")):
         with pytest.raises(TenantsFileError, match=needle):
             parse_tenants({"keys": bad} if isinstance(bad, list) else bad)

@@ -17,9 +17,12 @@ from harness.router import RouterProcess
 from harness.server import ServerProcess
 
 ALPHA, BETA, SLOW, THRIFTY, SINGLE = "sk-alpha-0001", "sk-beta-0002", "sk-slow-0003", "sk-thrifty-0004", "sk-one-5"
+ISOLATED, ISOLATED_TOO = "sk-iso-0006", "sk-iso-0007"
 KEYS = f"""
 keys:
   - {{key: {ALPHA}, tenant: alpha, requests_per_minute: 1000}}
+  - {{key: {ISOLATED}, tenant: iso, isolate_prefix_cache: true}}
+  - {{key: {ISOLATED_TOO}, tenant: iso, isolate_prefix_cache: true}}
   - {{key: {BETA}, tenant: beta, priority: batch, models: [SmolLM2-135M-Instruct.Q4_1]}}
   - {{key: {SLOW}, tenant: slow, max_concurrent: 1, requests_per_minute: 2}}
   - {{key: {THRIFTY}, tenant: thrifty, tokens_per_minute: 6}}
@@ -95,6 +98,22 @@ def test_result_cache_hits_misses_streams_and_tenant_isolation(server: ServerPro
     hits = [s for s in server.metric_samples("titan:cache_requests_total") if s.labels == {"cache": "result",
                                                                                            "result": "hit"}]
     assert hits and hits[0].value >= 4
+
+
+def test_isolated_tenant_shares_prefix_cache_blocks_only_with_itself(server: ServerProcess) -> None:
+    # Sampled without a seed, so no request is answered by the result cache: each one reaches the engine.
+    prompt = "An isolated tenant's system prompt, several blocks long: " + "harbour lights " * 16
+
+    def cached(key: str, **fields: object) -> int:
+        reply = complete(server, key, prompt=prompt, max_tokens=1, temperature=1.0, titan_timeline=True, **fields)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["titan_timeline"]["cached_prompt_tokens"]
+
+    assert cached(ALPHA) == 0 and cached(ALPHA) >= 32  # alpha shares its blocks with itself
+    assert cached(ISOLATED) == 0  # the isolated tenant never reads alpha's blocks
+    assert cached(ISOLATED_TOO) >= 32  # its other key is the same tenant
+    assert cached(ALPHA) >= 32 and cached(ALPHA, cache_salt="tenant:iso") == 0  # nor can alpha name its namespace
+    assert cached(ISOLATED, cache_salt="x") == 0 and cached(ISOLATED, cache_salt="x") >= 32  # salts nest inside
 
 
 def test_semantic_cache_answers_a_paraphrase_but_not_a_near_miss(server: ServerProcess) -> None:

@@ -9,8 +9,11 @@ filters what leaves, stores the response and charges its tokens. Nothing here to
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -51,6 +54,8 @@ class Gateway:
     semantic: SemanticCache | None = None
     quota: Quota | None = None  # where tenants' token buckets live (None: in-process)
     flights: Flights | None = None  # identical deterministic requests in flight (None: not coalesced)
+    # Keys isolated tenants' prefix-cache namespaces; the cache lives in this process, so this may too.
+    salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
     def start(self) -> None:
         if self.semantic is not None:
@@ -85,6 +90,15 @@ class Gateway:
                     raise content_filtered(f"The input was refused by the {rule.name} filter.", param)
                 flags.append(f"input:{rule.name}")
         return sorted(set(flags))
+
+    def cache_salt(self, request: Request, salt: str | None) -> str | None:
+        """The request's prefix-cache salt: an isolated tenant's own namespace (keyed by a secret of this
+        process, so no client can name it in its cache_salt), with the request's salt inside it."""
+        tenant = self.tenant(request)
+        if tenant is None or not tenant.spec.isolate_prefix_cache:
+            return salt
+        namespace = hmac.new(self.salt_secret, tenant.spec.tenant.encode(), hashlib.sha256).hexdigest()
+        return f"tenant:{namespace}" + ("" if salt is None else f":{salt}")
 
     def priority(self, request: Request, priority: int) -> int:
         """A tenant's class is a floor: a batch tenant cannot ask for interactive priority."""

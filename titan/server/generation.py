@@ -115,8 +115,10 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         raise bad_request(f"This request would run {route.num_sequences()} sequences (prompts × n); the limit is "
                           f"{state.max_sequences_per_request} (--max-sequences-per-request).", param=param)
     priority = request_priority(body.priority, request.headers)
+    cache_salt = body.cache_salt
     if gateway is not None:
         priority = gateway.priority(request, priority)
+        cache_salt = gateway.cache_salt(request, cache_salt)
     route.token_texts = TokenTexts(info.tokenizer)
     if route.wants_logprobs():
         route.texts = route.token_texts
@@ -145,13 +147,13 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
             return replay_hit(plan, route, envelope, body.stream)
 
     if body.stream:
-        stream = await submit(state, request_id, prepared.choices, priority, arrival_time, body.cache_salt)
+        stream = await submit(state, request_id, prepared.choices, priority, arrival_time, cache_salt)
         response = sse_response(stream_events(route, prepared, stream, envelope, plan), stream)
         response.headers.update(plan.headers() if plan is not None else {})
         return response
 
     async def run() -> Response:
-        stream = await submit(state, request_id, prepared.choices, priority, arrival_time, body.cache_salt)
+        stream = await submit(state, request_id, prepared.choices, priority, arrival_time, cache_salt)
         finals = await run_to_completion(stream)
         if plan is not None:
             finals = plan.filter_finals(finals)

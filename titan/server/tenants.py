@@ -32,7 +32,7 @@ SCOPE_KEY = "titan.tenant"
 QUOTA_KEY = "titan.tenant_quota"
 PRIORITY_CLASSES = ("interactive", "batch")
 _FIELDS = {"key", "key_sha256", "tenant", "models", "priority", "requests_per_minute", "tokens_per_minute",
-           "max_concurrent"}
+           "max_concurrent", "isolate_prefix_cache"}
 
 
 class TenantsFileError(ValueError):
@@ -52,6 +52,9 @@ class TenantSpec:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    # Its requests share prefix-cache blocks only among themselves: no other tenant can time a cache hit on
+    # its prompts (nor it on theirs).
+    isolate_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if not self.tenant or not isinstance(self.tenant, str):
@@ -62,6 +65,8 @@ class TenantSpec:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TenantsFileError(f"tenant {self.tenant}: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.isolate_prefix_cache, bool):
+            raise TenantsFileError(f"tenant {self.tenant}: isolate_prefix_cache must be true or false")
         if len(self.key_sha256) != 64 or any(c not in "0123456789abcdef" for c in self.key_sha256):
             raise TenantsFileError(f"tenant {self.tenant}: key_sha256 must be 64 lowercase hex digits")
 
@@ -84,7 +89,8 @@ def parse_tenants(document: Any) -> list[TenantSpec]:
             raise TenantsFileError(f"keys[{index}]: models must be a list of model names")
         specs.append(TenantSpec(str(entry.get("tenant") or ""), digest, tuple(models) if models is not None else None,
                                 entry.get("priority"), entry.get("requests_per_minute"),
-                                entry.get("tokens_per_minute"), entry.get("max_concurrent")))
+                                entry.get("tokens_per_minute"), entry.get("max_concurrent"),
+                                entry.get("isolate_prefix_cache", False)))
     digests = [spec.key_sha256 for spec in specs]
     if len(set(digests)) != len(digests):
         raise TenantsFileError("the same key appears twice")
