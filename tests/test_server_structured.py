@@ -130,7 +130,6 @@ def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProces
     ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "chat_template", "{{ messages[0].content }}"),
     ("/v1/chat/completions", "echo", True),
-    ("/v1/chat/completions", "cache_salt", "tenant-a"),
     ("/v1/completions", "return_tokens_as_token_ids", True),
     ("/v1/completions", "length_penalty", 0.5),
 ])
@@ -232,7 +231,8 @@ def test_echo_with_logprobs_scores_the_prompt_like_teacher_forcing(server: Serve
     choice = reply["choices"][0]
     ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
     assert choice["text"].endswith(prompt) and reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
-                                                                  "total_tokens": len(ids)}
+                                                                  "total_tokens": len(ids),
+                                                                  "prompt_tokens_details": {"cached_tokens": 0}}
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
     assert all(len(top) >= 1 for top in logprobs["top_logprobs"][1:])

@@ -94,12 +94,20 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(server: ServerProcess)
         body = {"prompt": prompt, "max_tokens": 1, "titan_timeline": True} | fields
         reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
-        return reply.json()["choices"][0]["titan_timeline"]["cached_prompt_tokens"]
+        hit = reply.json()["choices"][0]["titan_timeline"]["cached_prompt_tokens"]
+        assert reply.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}  # OpenAI's field
+        return hit
 
     assert cached(cache_salt="tenant-a") == 0
     assert cached(cache_salt="tenant-a") >= 32  # the same salt shares the blocks it published
     assert cached(cache_salt="tenant-b") == 0  # another salt never sees them
     assert cached() == 0  # nor does an unsalted request
     assert cached() >= 32
+    # Streamed, the usage chunk carries it too; with n = 2 the prompt (and its hit) counts once.
+    streamed = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 1, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    last = json.loads([line for line in streamed.text.splitlines() if line.startswith("data: {")][-1][6:])
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] < last["usage"]["prompt_tokens"]
     empty = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "cache_salt": ""}, timeout=30)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"

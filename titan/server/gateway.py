@@ -228,17 +228,17 @@ class RequestPlan:
         return filtered
 
     # ---- completion ----------------------------------------------------------------------------
-    def charge(self, usage: dict[str, int]) -> None:
+    def charge(self, usage: dict[str, Any]) -> None:
         """From code that cannot wait: the quota charge runs as a task (a no-op once charged)."""
         if self.count(usage) and self.quota is not None:
             self.quota.charge_later(usage["total_tokens"])
 
-    async def settle(self, usage: dict[str, int]) -> None:
+    async def settle(self, usage: dict[str, Any]) -> None:
         """Charge the tenant before the response ends, so its next request (on any replica) sees it."""
         if self.count(usage) and self.quota is not None:
             await self.quota.charge(usage["total_tokens"])
 
-    def count(self, usage: dict[str, int]) -> bool:
+    def count(self, usage: dict[str, Any]) -> bool:
         """Count the tokens in the tenant's metrics, once; True when they still have to be charged."""
         if self.charged or self.tenant is None:
             return False
@@ -248,7 +248,7 @@ class RequestPlan:
         metrics.tenant_tokens.labels(self.tenant.label, "completion").inc(usage["completion_tokens"])
         return True
 
-    async def finish(self, choices: list[dict[str, Any]], usage: dict[str, int], complete: bool) -> None:
+    async def finish(self, choices: list[dict[str, Any]], usage: dict[str, Any], complete: bool) -> None:
         """Charge the tenant; store a complete response (every choice ended by stop, length or a filter)."""
         await self.settle(usage)
         if not complete or self.hit is not None:

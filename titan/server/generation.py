@@ -29,6 +29,7 @@ from titan.server.serving import (
     Choice,
     ServerState,
     TokenTexts,
+    cached_prompt_tokens,
     choice_index,
     degraded_headers,
     new_id,
@@ -160,7 +161,7 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         entries = [route.whole(choice, finals[choice.index]) | envelope.extras(finals[choice.index])
                    for choice in prepared.choices]
         completion_tokens = sum(route.completion_tokens(output) for output in finals.values())
-        used = usage(prepared.num_prompt_tokens, completion_tokens)
+        used = usage(prepared.num_prompt_tokens, completion_tokens, cached_prompt_tokens(prepared.choices, finals))
         headers = degraded_headers(stream)
         if plan is not None:
             await plan.finish(entries, used, complete=True)
@@ -225,13 +226,13 @@ async def stream_events(route: GenerationRoute, prepared: Prepared, stream: Outp
                 yield envelope.chunk({"index": choice.index} | route.finish(output) | extras)
                 if len(finals) == len(choices):
                     break  # every choice ended (a blocked one may still be running in the engine)
+        used = usage(prepared.num_prompt_tokens, completion_tokens, cached_prompt_tokens(prepared.choices, finals))
         if plan is not None and len(finals) == len(choices):
             entries = [route.whole(choices[index], finals[index]) for index in sorted(finals)]
-            await plan.finish(entries, usage(prepared.num_prompt_tokens, completion_tokens), complete=True)
+            await plan.finish(entries, used, complete=True)
         if envelope.include_usage:
             yield sse({"id": envelope.request_id, "object": envelope.chunk_object, "created": envelope.created,
-                       "model": envelope.model, "choices": [],
-                       "usage": usage(prepared.num_prompt_tokens, completion_tokens)})
+                       "model": envelope.model, "choices": [], "usage": used})
     except EngineFailed as error:
         yield sse_error(error)
     finally:

@@ -34,7 +34,7 @@ def cache_key(scope: str, model: str, route_object: str, body: Mapping[str, Any]
     return hashlib.sha256(material.encode()).hexdigest()
 
 
-def encode_entry(choices: list[dict[str, Any]], usage: dict[str, int]) -> bytes:
+def encode_entry(choices: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
     return json.dumps({"choices": choices, "usage": usage}, separators=(",", ":")).encode()
 
 

@@ -155,7 +155,7 @@ class SemanticCache:
         similarity = 1.0 - float(matches.distances[0])  # usearch's cos metric is a distance
         return found.ids.get(int(matches.keys[0])) if similarity >= self.threshold else None
 
-    async def store(self, query: SemanticQuery, choices: list[dict[str, Any]], usage: dict[str, int]) -> None:
+    async def store(self, query: SemanticQuery, choices: list[dict[str, Any]], usage: dict[str, Any]) -> None:
         vector = query.vector
         if vector is None:
             return

@@ -172,9 +172,24 @@ def choice_index(request_id: str) -> int:
     return int(request_id.rsplit("-", 1)[1])
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` (prompt tokens read from the prefix cache) when known."""
+    used: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        used["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return used
+
+
+def cached_prompt_tokens(choices: list[Choice], finals: Mapping[int, RequestOutput]) -> int:
+    """Prompt tokens the prefix cache supplied, each prompt counted once (as its tokens are in `usage`): its
+    first finished choice's hit."""
+    hits: dict[int, int] = {}
+    for choice in sorted(choices, key=lambda c: c.index):
+        output = finals.get(choice.index)
+        if output is not None:
+            hits.setdefault(choice.prompt_index, output.num_cached_tokens)
+    return sum(hits.values())
 
 
 def sse(payload: dict[str, Any]) -> bytes:
