@@ -152,6 +152,16 @@ def test_stop_inside_one_token(tokenizer: Tokenizer) -> None:
     assert detokenizer.stop_string == "orl"
 
 
+def test_stop_string_kept_on_request(tokenizer: Tokenizer) -> None:
+    # vLLM's include_stop_str_in_output: the text ends after the stop string, whether it spans tokens or not.
+    spanning = tokenizer.encode("The answer is 42.\n\nUser: what next? more text", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=["\n\nUser:"], include_stop=True)
+    assert "".join(stream(detokenizer, spanning)) == detokenizer.text == "The answer is 42.\n\nUser:"
+    inside = tokenizer.encode("Hello world and more", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=["orl", "and"], include_stop=True)
+    assert "".join(stream(detokenizer, inside)) == "Hello worl" and detokenizer.stop_string == "orl"
+
+
 def test_earliest_stop_wins(tokenizer: Tokenizer) -> None:
     output = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer, [], stop=["gamma", "beta", "zeta"])

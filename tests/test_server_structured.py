@@ -142,6 +142,15 @@ def test_known_fields_titan_cannot_honour_are_400_naming_them(server: ServerProc
                                                           "param": field, "code": "unsupported_parameter"}
 
 
+def test_include_stop_str_in_output(server: ServerProcess) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "stop": ["."]}
+    cut = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    kept = httpx.post(server.url + "/v1/completions", json=body | {"include_stop_str_in_output": True},
+                      timeout=120).json()["choices"][0]
+    assert cut["finish_reason"] == kept["finish_reason"] == "stop"
+    assert "." not in cut["text"] and kept["text"] == cut["text"] + "."
+
+
 def test_chat_template_fields_shape_the_prompt(server: ServerProcess) -> None:
     begun = ASK + [{"role": "assistant", "content": "Paris is the capital of"}]
 

@@ -73,7 +73,7 @@ class OutputProcessor:
         params = seq.sampling_params
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
+            stop=params.stop, include_stop=params.include_stop_str_in_output,
         )
         if params.logprobs is not None:
             self.logprobs[seq.seq_id] = []

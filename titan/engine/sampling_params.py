@@ -25,6 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string that matched
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position (plus the sampled token)

@@ -40,7 +40,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "store": _truthy,
     "allowed_token_ids": _given,
     "bad_words": _truthy,
-    "include_stop_str_in_output": _truthy,
     "logits_processors": _truthy,
     "truncate_prompt_tokens": _given,
     "chat_template": _given,  # a request's own Jinja template: only the model's runs here

@@ -84,6 +84,7 @@ class SamplingRequest(BaseModel):
     # None: from the X-Titan-Priority class header, else 0
     priority: int | None = Field(default=None, ge=-INT32_MAX - 1, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Only requests with the same salt share prefix-cache blocks (a tenant's prompts stay unobservable).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
@@ -178,6 +179,7 @@ class SamplingRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "seed": None if self.seed is None else self.seed + index,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,

@@ -25,8 +25,9 @@ class IncrementalDetokenizer:
     """Turns a stream of generated ids into text deltas, applying `stop` strings.
 
     `append` returns only text that is final: whole characters, never part of a stop string, and nothing
-    once a stop string matched (`stop_string` is then set and `text` ends just before it). Text that may
-    be the start of a stop string is held until the next tokens decide; `flush` releases it at the end.
+    once a stop string matched (`stop_string` is then set and `text` ends just before it, or just after it
+    with `include_stop`). Text that may be the start of a stop string is held until the next tokens decide;
+    `flush` releases it at the end.
     """
 
     def __init__(
@@ -35,10 +36,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stops = tuple(s for s in stop if s)
+        self._include_stop = include_stop
         self._longest_stop = max((len(s) for s in self._stops), default=0)
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         # A prompt ending inside a character would make the context text change under the first output
@@ -113,7 +116,7 @@ class IncrementalDetokenizer:
             if match is not None:
                 position, stop = match
                 self.stop_string = stop
-                self._text = self._text[:position]
+                self._text = self._text[:position + (len(stop) if self._include_stop else 0)]
                 hold = 0
             elif not final:
                 hold = self._stop_prefix_length()
