@@ -229,6 +229,19 @@ def test_penalties_steer_greedy_decoding() -> None:
     assert (plain, penalized) == ([0], [1])
 
 
+def test_allowed_token_ids_restrict_greedy_and_random_rows_alone() -> None:
+    logits = torch.tensor([[3.0, 2.9, 1.0, 0.5, 0.0]] * 3)
+    sampler = Sampler(frozenset({EOS}), seed=1)
+    requests = [make_request(SamplingParams(temperature=0.0, allowed_token_ids=[3, 4])),
+                make_request(SamplingParams(temperature=1.0, allowed_token_ids=[2, 3])),
+                make_request(SamplingParams(temperature=0.0))]
+    drawn = [sampler(logits, requests)[0] for _ in range(50)]
+    assert all(tokens[0] == 3 and tokens[1] in (2, 3) and tokens[2] == 0 for tokens in drawn)
+    assert {tokens[1] for tokens in drawn} == {2, 3}  # a random row still draws among the allowed ones
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_min_tokens_bans_eos_and_stop_ids_then_releases_them() -> None:
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 7.0, 1.0]])  # EOS (2), then stop id 3, then 4
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])

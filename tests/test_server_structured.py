@@ -104,6 +104,29 @@ def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, server: Server
     assert plain.choices[0].text.startswith(" Paris")
     assert "Paris" not in banned.choices[0].text
     assert forced.choices[0].text == " Paris" * 3
+    # vLLM's allowed_token_ids: only those may be sampled (here, at a temperature that would wander).
+    only = client.completions.create(model=None, prompt="Hello", max_tokens=3, temperature=1.5, seed=4,
+                                     extra_body={"allowed_token_ids": paris})
+    assert only.choices[0].text == " Paris" * 3
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_end(server: ServerProcess) -> None:
+    prompt = "One two three four five six seven eight nine ten"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True}
+    cut = httpx.post(server.url + "/v1/completions", json=body | {"truncate_prompt_tokens": 4}, timeout=120).json()
+    whole = httpx.post(server.url + "/v1/completions", json=body | {"truncate_prompt_tokens": -1}, timeout=120).json()
+    assert cut["usage"]["prompt_tokens"] == 4 and whole["usage"]["prompt_tokens"] == len(ids)
+    tail = httpx.post(server.url + "/detokenize", json={"tokens": ids[-4:]}, timeout=30).json()["prompt"]
+    assert cut["choices"][0]["text"].startswith(tail) and prompt.endswith(tail)  # echo shows what was kept
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 1,
+                                                                 "truncate_prompt_tokens": 3}, timeout=120).json()
+    assert chat["usage"]["prompt_tokens"] == 3
+    for bad, param in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                       ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+                       ({"allowed_token_ids": []}, "allowed_token_ids")):
+        reply = httpx.post(server.url + "/v1/completions", json=body | bad, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
 def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProcess) -> None:

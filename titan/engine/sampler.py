@@ -1,9 +1,8 @@
 """Turns one step's logits into next tokens: penalties, bans, temperature, min-p/top-k/top-p, seeds.
 
-Order follows vLLM: logit_bias, grammar masks (structured outputs), min_tokens bans and penalties shape
-the logits that greedy decoding argmaxes over;
-random rows then apply temperature, min-p, top-k and top-p before drawing. Logprobs always describe the
-raw model distribution.
+Order follows vLLM: allowed_token_ids, logit_bias, grammar masks (structured outputs), min_tokens bans
+and penalties shape the logits that greedy decoding argmaxes over; random rows then apply temperature,
+min-p, top-k and top-p before drawing. Logprobs always describe the raw model distribution.
 
 Random rows are drawn by inverting the CDF over token ids with one uniform number per row. The uniform
 of a seeded request comes only from its own generator and every filter is computed row by row, so its
@@ -42,10 +41,13 @@ def process_logits(
     penalty_rows = [i for i, request in enumerate(requests) if _has_penalties(request)]
     bias_rows = [i for i, request in enumerate(requests) if request.sampling_params.logit_bias]
     grammar_rows = [i for i, request in enumerate(requests) if request.grammar is not None]
-    if not ban_rows and not penalty_rows and not bias_rows and not grammar_rows:
+    allowed_rows = [i for i, request in enumerate(requests) if request.sampling_params.allowed_token_ids]
+    if not ban_rows and not penalty_rows and not bias_rows and not grammar_rows and not allowed_rows:
         return processed
     if processed is logits:
         processed = processed.clone()
+    for row in allowed_rows:
+        _keep_only(processed[row], requests[row].sampling_params.allowed_token_ids or [])
     if bias_rows:
         _apply_logit_bias(processed, [requests[i] for i in bias_rows], bias_rows)
     if grammar_rows:
@@ -57,6 +59,13 @@ def process_logits(
     if penalty_rows:
         _apply_penalties(processed, [requests[i] for i in penalty_rows], penalty_rows)
     return processed
+
+
+def _keep_only(row: torch.Tensor, token_ids: list[int]) -> None:
+    """Every logit of `row` but those of `token_ids` to -inf (ids past the vocabulary are ignored)."""
+    banned = torch.ones(row.shape[-1], dtype=torch.bool, device=row.device)
+    banned[torch.tensor([t for t in token_ids if t < row.shape[-1]], dtype=torch.long, device=row.device)] = False
+    row.masked_fill_(banned, float("-inf"))
 
 
 def _apply_logit_bias(processed: torch.Tensor, requests: list[ScheduledSequence], rows: list[int]) -> None:

@@ -33,6 +33,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to the logits
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
@@ -65,6 +66,9 @@ class SamplingParams:
             (not self.logit_bias or all(t >= 0 and math.isfinite(b) and -100 <= b <= 100
                                         for t, b in self.logit_bias.items()),
              "logit_bias", "must map token ids to biases in [-100, 100]"),
+            (self.allowed_token_ids is None or (bool(self.allowed_token_ids)
+                                                and all(t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids", "must be a non-empty list of token ids"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -46,6 +46,7 @@ class CompletionRoute(GenerationRoute):
             else:
                 check_token_ids(prompt, info.vocab_size)
                 prompt_ids.append(list(prompt))
+        prompt_ids = [body.truncate(ids, info.max_model_len) for ids in prompt_ids]
         choices = []
         # echo + logprobs scores the prompt too (log-likelihood evaluation); max_tokens 0 then runs one token
         # that is never shown.

@@ -38,10 +38,8 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _given,
     "reasoning_effort": _given,
     "store": _truthy,
-    "allowed_token_ids": _given,
     "bad_words": _truthy,
     "logits_processors": _truthy,
-    "truncate_prompt_tokens": _given,
     "chat_template": _given,  # a request's own Jinja template: only the model's runs here
     "echo": _truthy,  # on chat (completions has its own echo field): the last message is not prepended
     "length_penalty": lambda value: value not in (None, 1, 1.0),  # beam search only

@@ -85,6 +85,9 @@ class SamplingRequest(BaseModel):
     priority: int | None = Field(default=None, ge=-INT32_MAX - 1, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the last N prompt tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     skip_special_tokens: bool = True
     # Only requests with the same salt share prefix-cache blocks (a tenant's prompts stay unobservable).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
@@ -151,8 +154,16 @@ class SamplingRequest(BaseModel):
             biases[int(key)] = bias
         return biases
 
+    def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: the context length), or all of it."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return token_ids[-keep:] if keep and len(token_ids) > keep else token_ids
+
     def check_common(self) -> None:
         check_extra_fields(self.model_extra)
+        if self.truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be positive, or -1 for the context length",
+                              param="truncate_prompt_tokens")
         if self.stream_options is not None:
             check_extra_fields(self.stream_options.model_extra, "stream_options.")
         if self.structured_outputs is not None:
@@ -172,6 +183,7 @@ class SamplingRequest(BaseModel):
         """The engine's parameters for choice `index` (seeded choices get seed + index, as vLLM)."""
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids or [], vocab_size, param="stop_token_ids")
+            check_token_ids(self.allowed_token_ids or [], vocab_size, param="allowed_token_ids")
         options: dict[str, Any] = {
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
@@ -185,6 +197,7 @@ class SamplingRequest(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": self.logit_bias_ids(vocab_size),
+            "allowed_token_ids": None if self.allowed_token_ids is None else list(self.allowed_token_ids),
             "prompt_logprobs": prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             "structured_outputs": self.structured(),
         }
