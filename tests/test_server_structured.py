@@ -110,6 +110,18 @@ def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, server: Server
     assert only.choices[0].text == " Paris" * 3
 
 
+def test_continuous_usage_stats_in_every_chunk(server: ServerProcess) -> None:
+    body = {"messages": ASK, "max_tokens": 6, "n": 2, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse_chunks(server, "/v1/chat/completions", body)
+    assert all(chunk["usage"] is not None for chunk in chunks)
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12  # two choices of 6 tokens
+    assert {chunk["usage"]["prompt_tokens"] for chunk in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+    plain = sse_chunks(server, "/v1/chat/completions", body | {"stream_options": {"include_usage": True}})
+    assert all(chunk["usage"] is None for chunk in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_end(server: ServerProcess) -> None:
     prompt = "One two three four five six seven eight nine ten"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
@@ -225,7 +237,8 @@ def test_chat_template_fields_shape_the_prompt(server: ServerProcess) -> None:
     ("/v1/chat/completions", {"guided_grammar": "root ::= ("}, "guided_grammar"),
     ("/v1/chat/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
     # Known options inside objects, named by their path.
-    ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True, "titan_x": True,
+                                                                 "continuous_usage_stats": "often"}},
      "stream_options.continuous_usage_stats"),
     ("/v1/completions", {"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True}},
      "structured_outputs.disable_additional_properties"),

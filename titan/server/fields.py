@@ -51,7 +51,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "vllm_xargs": _given,
     "mm_processor_kwargs": _truthy,
     # Inside objects (the name is the field's path):
-    "stream_options.continuous_usage_stats": _truthy,  # usage comes in the last chunk only
     "structured_outputs.structural_tag": _given,
     "structured_outputs.whitespace_pattern": _given,
     "structured_outputs.disable_additional_properties": _truthy,

@@ -140,7 +140,8 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
                     params.temperature, params.top_p, params.seed,
                     params.structured_outputs.kind if params.structured_outputs else None)
     envelope = Envelope(request_id, int(time.time()), state.model_name, route.chunk_object,
-                        wants_timeline(body.titan_timeline, request.headers), body.include_usage)
+                        wants_timeline(body.titan_timeline, request.headers), body.include_usage,
+                        body.include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats))
     plan = None
     if gateway is not None:
         plan = await gateway.plan(request, route, prepared, info, state.model_name, input_flags)
@@ -182,12 +183,13 @@ class Envelope:
     chunk_object: str
     timeline: bool  # the client asked for `titan_timeline`
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
 
-    def chunk(self, entry: dict[str, Any]) -> bytes:
+    def chunk(self, entry: dict[str, Any], used: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
                                    "model": self.model, "choices": [entry]}
         if self.include_usage:
-            payload["usage"] = None
+            payload["usage"] = used if self.continuous_usage else None
         return sse(payload)
 
     def extras(self, output: RequestOutput) -> dict[str, Any]:
@@ -204,26 +206,32 @@ async def stream_events(route: GenerationRoute, prepared: Prepared, stream: Outp
                         envelope: Envelope, plan: RequestPlan | None = None) -> AsyncIterator[bytes]:
     choices = {choice.index: choice for choice in prepared.choices}
     completion_tokens = 0
+    generated: dict[int, int] = {}  # per choice, the tokens so far (continuous usage)
     finals: dict[int, RequestOutput] = {}
+
+    def so_far() -> dict[str, Any]:
+        return usage(prepared.num_prompt_tokens, sum(generated.values()))
+
     try:
         for entry in route.opening(prepared):
-            yield envelope.chunk(entry)
+            yield envelope.chunk(entry, so_far())
         async for engine_output in stream:
             choice = choices[choice_index(engine_output.request_id)]
+            generated[choice.index] = route.completion_tokens(engine_output)
             # Output guardrails: only released text goes on; a choice cut by a block sends nothing more.
             output = plan.filter_output(choice.index, engine_output) if plan is not None else engine_output
             if output is None:
                 continue
             entry = route.delta(choice, output)
             if entry is not None:
-                yield envelope.chunk(entry)
+                yield envelope.chunk(entry, so_far())
             if output.finished:
                 finals[choice.index] = output
                 completion_tokens += route.completion_tokens(engine_output)
                 extras = envelope.extras(output)
                 if plan is not None and plan.choice_flags(choice.index):
                     extras["titan_guardrail"] = plan.choice_flags(choice.index)
-                yield envelope.chunk({"index": choice.index} | route.finish(output) | extras)
+                yield envelope.chunk({"index": choice.index} | route.finish(output) | extras, so_far())
                 if len(finals) == len(choices):
                     break  # every choice ended (a blocked one may still be running in the engine)
         used = usage(prepared.num_prompt_tokens, completion_tokens, cached_prompt_tokens(prepared.choices, finals))
@@ -253,7 +261,7 @@ def replay_hit(plan: RequestPlan, route: GenerationRoute, envelope: Envelope, st
 
     async def events() -> AsyncIterator[bytes]:
         for entry in replay_chunks(envelope.chunk_object, plan.hit["choices"]):
-            yield envelope.chunk(entry)
+            yield envelope.chunk(entry, stored_usage)  # a stored reply: its tokens are all there already
         if envelope.include_usage:
             yield sse({"id": envelope.request_id, "object": envelope.chunk_object, "created": envelope.created,
                        "model": envelope.model, "choices": [], "usage": stored_usage})

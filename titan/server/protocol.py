@@ -27,6 +27,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")  # refused or logged by check_common, never dropped
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
