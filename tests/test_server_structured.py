@@ -164,7 +164,6 @@ def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProces
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "chat_template", "{{ messages[0].content }}"),
-    ("/v1/chat/completions", "echo", True),
     ("/v1/completions", "return_tokens_as_token_ids", True),
     ("/v1/completions", "length_penalty", 0.5),
 ])
@@ -211,6 +210,16 @@ def test_chat_template_fields_shape_the_prompt(server: ServerProcess) -> None:
     reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
     assert reply["usage"]["prompt_tokens"] == len(continued)
     assert not reply["choices"][0]["message"]["content"].startswith("<|im_end|>")
+    # vLLM's echo: the reply starts with the message it continues, whole or streamed.
+    echoed = httpx.post(server.url + "/v1/chat/completions", json=body | {"echo": True}, timeout=120).json()
+    continuation = reply["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "Paris is the capital of" + continuation
+    chunks = sse_chunks(server, "/v1/chat/completions", body | {"echo": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Paris is the capital of" + \
+        continuation
+    no_echo = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "temperature": 0,
+                                                                    "echo": True}, timeout=120).json()
+    assert not no_echo["choices"][0]["message"]["content"].startswith(ASK[0]["content"])  # a user turn is not echoed
     plain_reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 1,
                                                                         "add_generation_prompt": False}, timeout=120)
     assert plain_reply.json()["usage"]["prompt_tokens"] == len(plain)

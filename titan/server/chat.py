@@ -45,6 +45,9 @@ class ChatRoute(GenerationRoute):
         self.tool_choice = body.effective_tool_choice
         self.tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice, when tools are on
         self.started: set[int] = set()  # streamed choices whose first token went by
+        # vLLM's echo: a reply that continues an assistant message starts with that message's text.
+        last = body.messages[-1]
+        self.echo = last.text() if body.echo and last.role == "assistant" else ""
 
     def num_sequences(self) -> int:
         return self.body.n
@@ -88,14 +91,14 @@ class ChatRoute(GenerationRoute):
     def _message(self, output: RequestOutput) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a finished choice and its finish reason (tool calls parsed out)."""
         if self.tools is None:
-            return {"role": "assistant", "content": output.text}, output.finish_reason
+            return {"role": "assistant", "content": self.echo + output.text}, output.finish_reason
         content, calls = parse_tool_calls(output.text, self.tool_choice, self.tool_call_parser)
         if not calls:
             return {"role": "assistant", "content": content}, output.finish_reason
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def opening(self, prepared: Prepared) -> list[dict[str, Any]]:
-        return [{"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [{"index": choice.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                  "finish_reason": None} for choice in prepared.choices]
 
     def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:

@@ -41,7 +41,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "bad_words": _truthy,
     "logits_processors": _truthy,
     "chat_template": _given,  # a request's own Jinja template: only the model's runs here
-    "echo": _truthy,  # on chat (completions has its own echo field): the last message is not prepended
     "length_penalty": lambda value: value not in (None, 1, 1.0),  # beam search only
     "structural_tag": _given,
     "return_tokens_as_token_ids": _truthy,

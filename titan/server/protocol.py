@@ -347,10 +347,13 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: a reply continuing an assistant message starts with that message's text
 
     def check(self) -> None:
         self.check_common()
         self.check_template_fields()
+        if self.echo and self.tool_dicts() is not None:
+            raise bad_request("echo cannot be combined with tools", param="echo")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         choice = self.tool_choice
