@@ -242,6 +242,15 @@ def test_allowed_token_ids_restrict_greedy_and_random_rows_alone() -> None:
         SamplingParams(allowed_token_ids=[])
 
 
+def test_bad_words_ban_a_last_token_only_after_the_rest() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, 1.0, 2.0, 3.0]])
+    sampler = Sampler(frozenset({EOS}))
+    words = SamplingParams(temperature=0.0, bad_words_token_ids=[[4, 5], [3]])
+    assert sampler(logits, [make_request(words, output=[0])])[0] == [5]  # [4, 5] not begun: 5 is allowed
+    assert sampler(logits, [make_request(words, output=[0, 4])])[0] == [4]  # after 4, 5 is banned; 3 always
+    assert sampler(logits, [make_request(words, output=[4, 0])])[0] == [5]
+
+
 def test_min_tokens_bans_eos_and_stop_ids_then_releases_them() -> None:
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 7.0, 1.0]])  # EOS (2), then stop id 3, then 4
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])

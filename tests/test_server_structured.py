@@ -122,6 +122,28 @@ def test_continuous_usage_stats_in_every_chunk(server: ServerProcess) -> None:
     assert all(chunk["usage"] is None for chunk in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 12
 
 
+def test_bad_words_are_never_written(server: ServerProcess) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    first, second, third = plain.split()[:3]
+
+    def written(*bad_words: str) -> str:
+        reply = httpx.post(server.url + "/v1/completions", json=body | {"bad_words": list(bad_words)}, timeout=120)
+        return reply.json()["choices"][0]["text"]
+
+    word = first.strip(".,")  # greedy " Paris.\n\nThe answer is: ..."
+    assert word not in written(word)
+    # A word of several tokens: its first tokens may be written, its last one never right after them.
+    phrase = f"{second} {third}"
+    kept = plain[:plain.index(phrase) + len(second)]
+    assert len(httpx.post(server.url + "/tokenize", json={"prompt": phrase, "add_special_tokens": False},
+                          timeout=30).json()["tokens"]) > 1
+    without = written(phrase)
+    assert without.startswith(kept) and phrase not in without
+    too_many = httpx.post(server.url + "/v1/completions", json=body | {"bad_words": ["x"] * 300}, timeout=30)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "bad_words"
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_end(server: ServerProcess) -> None:
     prompt = "One two three four five six seven eight nine ten"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]

@@ -38,6 +38,8 @@ def process_logits(
     """
     processed = logits.float()
     ban_rows, ban_ids = _min_tokens_bans(requests, eos_token_ids, logits.shape[-1])
+    word_rows, word_ids = _bad_word_bans(requests, logits.shape[-1])
+    ban_rows, ban_ids = ban_rows + word_rows, ban_ids + word_ids
     penalty_rows = [i for i, request in enumerate(requests) if _has_penalties(request)]
     bias_rows = [i for i, request in enumerate(requests) if request.sampling_params.logit_bias]
     grammar_rows = [i for i, request in enumerate(requests) if request.grammar is not None]
@@ -94,6 +96,20 @@ def _min_tokens_bans(
             if 0 <= token_id < vocab_size:
                 rows.append(row)
                 ids.append(token_id)
+    return rows, ids
+
+
+def _bad_word_bans(requests: list[ScheduledSequence], vocab_size: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to ban: the last token of each bad word whose other tokens the output ends with."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for row, request in enumerate(requests):
+        for word in request.sampling_params.bad_words_token_ids or ():
+            *head, last = word
+            output = request.output_token_ids
+            if last < vocab_size and (not head or output[len(output) - len(head):] == head):
+                rows.append(row)
+                ids.append(last)
     return rows, ids
 
 

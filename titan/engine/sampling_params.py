@@ -34,6 +34,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to the logits
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    # vLLM's bad_words as token sequences: a sequence's last token is banned right after the rest of it
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
@@ -69,6 +71,9 @@ class SamplingParams:
             (self.allowed_token_ids is None or (bool(self.allowed_token_ids)
                                                 and all(t >= 0 for t in self.allowed_token_ids)),
              "allowed_token_ids", "must be a non-empty list of token ids"),
+            (not self.bad_words_token_ids or all(word and all(t >= 0 for t in word)
+                                                 for word in self.bad_words_token_ids),
+             "bad_words", "must be non-empty token sequences"),
         ]
         for ok, name, message in checks:
             if not ok:

@@ -77,9 +77,10 @@ class ChatRoute(GenerationRoute):
         max_tokens = check_context(len(token_ids), body.requested_max_tokens, info.max_model_len, "messages")
         tool_constraint = constraint_for(self.tools, self.tool_choice, body.parallel_tool_calls) if self.tools else None
         choices = []
+        banned = body.bad_words_token_ids(tokenizer)
         for sample in range(body.n):
             params = body.sampling_params(max_tokens, body.num_logprobs, sample, info.vocab_size,
-                                          defaults=info.sampling_defaults)
+                                          defaults=info.sampling_defaults, bad_words_token_ids=banned)
             if tool_constraint is not None:
                 if params.structured_outputs is not None:
                     raise bad_request("tool_choice required or named cannot be combined with another output "

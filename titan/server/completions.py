@@ -52,11 +52,12 @@ class CompletionRoute(GenerationRoute):
         # that is never shown.
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         requested = 1 if body.scores_prompt_only else body.max_tokens
+        banned = body.bad_words_token_ids(info.tokenizer)
         for prompt_index, token_ids in enumerate(prompt_ids):
             max_tokens = check_context(len(token_ids), requested, info.max_model_len)
             for sample in range(body.n):
                 params = body.sampling_params(max_tokens, body.logprobs, sample, info.vocab_size, prompt_logprobs,
-                                              info.sampling_defaults)
+                                              info.sampling_defaults, banned)
                 choices.append(Choice(prompt_index * body.n + sample, prompt_index, token_ids, params))
         self.echoes = [info.tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
         return Prepared(choices, sum(len(ids) for ids in prompt_ids))

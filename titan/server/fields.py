@@ -38,7 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _given,
     "reasoning_effort": _given,
     "store": _truthy,
-    "bad_words": _truthy,
     "logits_processors": _truthy,
     "chat_template": _given,  # a request's own Jinja template: only the model's runs here
     "length_penalty": lambda value: value not in (None, 1, 1.0),  # beam search only

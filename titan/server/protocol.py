@@ -16,9 +16,12 @@ from titan.engine.sampling_params import InvalidParameterError, SamplingParams
 from titan.engine.structured import GrammarError, StructuredOutputs
 from titan.server.errors import APIError, bad_request
 from titan.server.fields import check_extra_fields
+from titan.tokenizer import Tokenizer
 
 # Without a limit one request could fan out into thousands of engine sequences.
 MAX_N = 128
+# Every step checks each bad word against each sequence's output: bounded per request.
+MAX_BAD_WORDS = 256
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -87,6 +90,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     # vLLM's: keep only the last N prompt tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     skip_special_tokens: bool = True
@@ -178,9 +182,24 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def bad_words_token_ids(self, tokenizer: Tokenizer) -> list[list[int]] | None:
+        """Each bad word as the model writes it, alone and after a space (as vLLM bans them)."""
+        if not self.bad_words:
+            return None
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        if not sequences:
+            raise bad_request("bad_words must hold words with text", param="bad_words")
+        return sequences
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int = 0,
                         vocab_size: int | None = None, prompt_logprobs: int | None = None,
-                        defaults: Mapping[str, float] | None = None) -> SamplingParams:
+                        defaults: Mapping[str, float] | None = None,
+                        bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
         """The engine's parameters for choice `index` (seeded choices get seed + index, as vLLM)."""
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids or [], vocab_size, param="stop_token_ids")
@@ -199,6 +218,7 @@ class SamplingRequest(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": self.logit_bias_ids(vocab_size),
             "allowed_token_ids": None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            "bad_words_token_ids": bad_words_token_ids,
             "prompt_logprobs": prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             "structured_outputs": self.structured(),
         }
