@@ -144,6 +144,23 @@ def test_bad_words_are_never_written(server: ServerProcess) -> None:
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "bad_words"
 
 
+def test_return_tokens_as_token_ids(server: ServerProcess) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+    named = httpx.post(server.url + "/v1/completions", json=body | {"return_tokens_as_token_ids": True},
+                       timeout=120).json()["choices"][0]["logprobs"]
+    assert all(re.fullmatch(r"token_id:\d+", token) for token in named["tokens"])
+    assert all(re.fullmatch(r"token_id:\d+", key) for top in named["top_logprobs"] for key in top)
+    ids = [int(token.split(":")[1]) for token in named["tokens"]]
+    texts = [httpx.post(server.url + "/detokenize", json={"tokens": [i]}, timeout=30).json()["prompt"] for i in ids]
+    assert texts == plain["tokens"] and named["token_logprobs"] == pytest.approx(plain["token_logprobs"])
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": ASK, "max_tokens": 2, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert all(entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
+               for entry in content)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_end(server: ServerProcess) -> None:
     prompt = "One two three four five six seven eight nine ten"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
@@ -186,7 +203,7 @@ def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProces
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "chat_template", "{{ messages[0].content }}"),
-    ("/v1/completions", "return_tokens_as_token_ids", True),
+    ("/v1/completions", "return_token_ids", True),
     ("/v1/completions", "length_penalty", 0.5),
 ])
 def test_known_fields_titan_cannot_honour_are_400_naming_them(server: ServerProcess, route: str, field: str,

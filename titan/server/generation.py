@@ -28,6 +28,7 @@ from titan.server.serving import (
     SSE_HEADERS,
     Choice,
     ServerState,
+    TokenIdTexts,
     TokenTexts,
     cached_prompt_tokens,
     choice_index,
@@ -122,7 +123,7 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         cache_salt = gateway.cache_salt(request, cache_salt)
     route.token_texts = TokenTexts(info.tokenizer)
     if route.wants_logprobs():
-        route.texts = route.token_texts
+        route.texts = TokenIdTexts(info.tokenizer) if body.return_tokens_as_token_ids else route.token_texts
     prepared = await route.prepare(info)
     constraint = prepared.choices[0].params.structured_outputs
     if constraint is not None:

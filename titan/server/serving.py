@@ -242,6 +242,14 @@ class TokenTexts:
         return list(self.text(token_id).encode("utf-8"))
 
 
+class TokenIdTexts(TokenTexts):
+    """vLLM's return_tokens_as_token_ids: logprob entries name each token `token_id:N`, which stays exact
+    where a token's text alone is not (part of a character, or the same text as another token)."""
+
+    def _text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 def prompt_logprobs_field(texts: TokenTexts, asked: int | None, output: RequestOutput) -> dict[str, Any]:
     """vLLM's `prompt_logprobs` entry of a choice: per prompt position, token id → logprob, rank, text."""
     if asked is None:
