@@ -222,6 +222,9 @@ def test_streamed_output_filtering_redacts_and_cuts_across_chunks(server: Server
     # Whole responses are cut the same way.
     cut_whole = complete(server, ALPHA, prompt=PLANETS, max_tokens=16, titan_cache=False).json()["choices"][0]
     assert cut_whole["finish_reason"] == "content_filter" and "gas" not in cut_whole["text"]
+    # Token ids (like logprobs) would reveal the filtered text: refused while output filters are on.
+    ids = complete(server, ALPHA, prompt=PLANETS, return_token_ids=True)
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "return_token_ids"
 
 
 def test_semantic_labelled_set_hit_and_false_hit_rates() -> None:

@@ -161,6 +161,33 @@ def test_return_tokens_as_token_ids(server: ServerProcess) -> None:
                for entry in content)
 
 
+def test_return_token_ids_whole_and_streamed(server: ServerProcess) -> None:
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France is"},
+                            timeout=30).json()["tokens"]
+    # A stop string holds text back while its tokens are already generated: the ids must still all arrive.
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "n": 2, "stop": ["answer"],
+            "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"]
+        text = httpx.post(server.url + "/detokenize", json={"tokens": choice["token_ids"]}, timeout=30).json()
+        assert text["prompt"].startswith(choice["text"])  # the ids decode to the text (and its cut stop string)
+    chunks = sse_chunks(server, "/v1/completions", body)
+    for index in (0, 1):
+        entries = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert entries[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in e for e in entries[1:])
+        assert sum((e["token_ids"] for e in entries), []) == whole["choices"][index]["token_ids"]
+    # Chat: the prompt's ids on the response (streamed: its first chunk), each choice's on the choice.
+    chat_ids = httpx.post(server.url + "/tokenize", json={"messages": ASK}, timeout=30).json()["tokens"]
+    chat_body = {"messages": ASK, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body, timeout=120).json()
+    assert reply["prompt_token_ids"] == chat_ids and len(reply["choices"][0]["token_ids"]) == \
+        reply["usage"]["completion_tokens"]
+    streamed = sse_chunks(server, "/v1/chat/completions", chat_body)
+    assert streamed[0]["prompt_token_ids"] == chat_ids and all("prompt_token_ids" not in c for c in streamed[1:])
+    assert sum((c["choices"][0]["token_ids"] for c in streamed if c["choices"]), []) == reply["choices"][0]["token_ids"]
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_end(server: ServerProcess) -> None:
     prompt = "One two three four five six seven eight nine ten"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
@@ -203,7 +230,7 @@ def test_tokenize_and_detokenize_match_the_engine_tokenizer(server: ServerProces
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "chat_template", "{{ messages[0].content }}"),
-    ("/v1/completions", "return_token_ids", True),
+    ("/v1/completions", "prompt_embeds", "AAAA"),
     ("/v1/completions", "length_penalty", 0.5),
 ])
 def test_known_fields_titan_cannot_honour_are_400_naming_them(server: ServerProcess, route: str, field: str,

@@ -102,6 +102,9 @@ class CompletionRoute(GenerationRoute):
     def completion_tokens(self, output: RequestOutput) -> int:
         return 0 if self.body.scores_prompt_only else output.num_output_tokens
 
+    def shows_tokens(self) -> bool:
+        return not self.body.scores_prompt_only
+
     def whole(self, choice: Choice, output: RequestOutput) -> dict[str, Any]:
         echo = self.echoes[choice.prompt_index]
         only_prompt = self.body.scores_prompt_only

@@ -42,7 +42,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "chat_template": _given,  # a request's own Jinja template: only the model's runs here
     "length_penalty": lambda value: value not in (None, 1, 1.0),  # beam search only
     "structural_tag": _given,
-    "return_token_ids": _truthy,
     "prompt_embeds": _given,
     "kv_transfer_params": _given,
     "vllm_xargs": _given,

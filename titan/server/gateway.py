@@ -116,6 +116,10 @@ class Gateway:
             if route.wants_logprobs():
                 raise APIError(HTTPStatus.BAD_REQUEST, "logprobs cannot be combined with output guardrails (they "
                                "would reveal filtered text)", param="logprobs", code="unsupported_parameter")
+            if body.return_token_ids:
+                raise APIError(HTTPStatus.BAD_REQUEST, "return_token_ids cannot be combined with output guardrails "
+                               "(the ids would reveal filtered text)", param="return_token_ids",
+                               code="unsupported_parameter")
             plan.filters = {choice.index: OutputFilter(self.guardrails.output) for choice in prepared.choices}
         opted_out = getattr(body, "titan_cache", None) is False
         cacheable = (not opted_out and not body.titan_timeline

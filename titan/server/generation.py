@@ -44,6 +44,7 @@ from titan.server.serving import (
     usage,
     wants_timeline,
 )
+from titan.server.token_ids import TokenIdFields
 
 # Its own logger, set to INFO by --enable-log-requests whatever the global --log-level.
 request_logger = logging.getLogger("titan.requests")
@@ -68,6 +69,7 @@ class GenerationRoute(ABC):
     def __init__(self, body: SamplingRequest) -> None:
         self.body = body
         self.texts: TokenTexts | None = None  # `token_texts`, set only when the request asked for logprobs
+        self.token_ids: TokenIdFields | None = None  # set when the request asked for return_token_ids
 
     @abstractmethod
     def num_sequences(self) -> int:
@@ -100,6 +102,14 @@ class GenerationRoute(ABC):
         """What a finished choice counts in `usage.completion_tokens`."""
         return output.num_output_tokens
 
+    def shows_tokens(self) -> bool:
+        """Whether the generated tokens are part of the response (not so when completions score a prompt)."""
+        return True
+
+    def whole_with_ids(self, choice: Choice, output: RequestOutput) -> dict[str, Any]:
+        entry = self.whole(choice, output)
+        return entry if self.token_ids is None else entry | self.token_ids.whole(choice, output)
+
 
 async def handle_generation(state: ServerState, route: GenerationRoute, request: Request) -> Response:
     arrival_time = time.monotonic()
@@ -122,6 +132,8 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         priority = gateway.priority(request, priority)
         cache_salt = gateway.cache_salt(request, cache_salt)
     route.token_texts = TokenTexts(info.tokenizer)
+    if body.return_token_ids:
+        route.token_ids = TokenIdFields(chat=route.object == "chat.completion", shows_tokens=route.shows_tokens())
     if route.wants_logprobs():
         route.texts = TokenIdTexts(info.tokenizer) if body.return_tokens_as_token_ids else route.token_texts
     prepared = await route.prepare(info)
@@ -160,7 +172,7 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         finals = await run_to_completion(stream)
         if plan is not None:
             finals = plan.filter_finals(finals)
-        entries = [route.whole(choice, finals[choice.index]) | envelope.extras(finals[choice.index])
+        entries = [route.whole_with_ids(choice, finals[choice.index]) | envelope.extras(finals[choice.index])
                    for choice in prepared.choices]
         completion_tokens = sum(route.completion_tokens(output) for output in finals.values())
         used = usage(prepared.num_prompt_tokens, completion_tokens, cached_prompt_tokens(prepared.choices, finals))
@@ -168,8 +180,9 @@ async def handle_generation(state: ServerState, route: GenerationRoute, request:
         if plan is not None:
             await plan.finish(entries, used, complete=True)
             headers |= plan.headers()
+        ids = route.token_ids.response(prepared.choices[0].prompt_token_ids) if route.token_ids is not None else {}
         return JSONResponse({"id": request_id, "object": route.object, "created": envelope.created,
-                             "model": envelope.model, "choices": entries, "usage": used}, headers=headers)
+                             "model": envelope.model, "choices": entries, "usage": used} | ids, headers=headers)
 
     return await until_disconnect(request, run())
 
@@ -186,9 +199,11 @@ class Envelope:
     include_usage: bool
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
 
-    def chunk(self, entry: dict[str, Any], used: dict[str, Any] | None = None) -> bytes:
+    def chunk(self, entry: dict[str, Any], used: dict[str, Any] | None = None,
+              top: dict[str, Any] | None = None) -> bytes:
+        """One streamed chunk; `top`: fields beside `choices` (chat's prompt_token_ids, on its first chunk)."""
         payload: dict[str, Any] = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
-                                   "model": self.model, "choices": [entry]}
+                                   "model": self.model, "choices": [entry]} | (top or {})
         if self.include_usage:
             payload["usage"] = used if self.continuous_usage else None
         return sse(payload)
@@ -210,12 +225,20 @@ async def stream_events(route: GenerationRoute, prepared: Prepared, stream: Outp
     generated: dict[int, int] = {}  # per choice, the tokens so far (continuous usage)
     finals: dict[int, RequestOutput] = {}
 
+    ids = route.token_ids
+
     def so_far() -> dict[str, Any]:
         return usage(prepared.num_prompt_tokens, sum(generated.values()))
 
+    def chunk(entry: dict[str, Any]) -> bytes:
+        if ids is None:
+            return envelope.chunk(entry, so_far())
+        top = ids.response(prepared.choices[0].prompt_token_ids)
+        return envelope.chunk(entry | ids.entry(choices[entry["index"]]), so_far(), top)
+
     try:
         for entry in route.opening(prepared):
-            yield envelope.chunk(entry, so_far())
+            yield chunk(entry)
         async for engine_output in stream:
             choice = choices[choice_index(engine_output.request_id)]
             generated[choice.index] = route.completion_tokens(engine_output)
@@ -223,21 +246,23 @@ async def stream_events(route: GenerationRoute, prepared: Prepared, stream: Outp
             output = plan.filter_output(choice.index, engine_output) if plan is not None else engine_output
             if output is None:
                 continue
+            if ids is not None:
+                ids.feed(choice, output)
             entry = route.delta(choice, output)
             if entry is not None:
-                yield envelope.chunk(entry, so_far())
+                yield chunk(entry)
             if output.finished:
                 finals[choice.index] = output
                 completion_tokens += route.completion_tokens(engine_output)
                 extras = envelope.extras(output)
                 if plan is not None and plan.choice_flags(choice.index):
                     extras["titan_guardrail"] = plan.choice_flags(choice.index)
-                yield envelope.chunk({"index": choice.index} | route.finish(output) | extras, so_far())
+                yield chunk({"index": choice.index} | route.finish(output) | extras)
                 if len(finals) == len(choices):
                     break  # every choice ended (a blocked one may still be running in the engine)
         used = usage(prepared.num_prompt_tokens, completion_tokens, cached_prompt_tokens(prepared.choices, finals))
         if plan is not None and len(finals) == len(choices):
-            entries = [route.whole(choices[index], finals[index]) for index in sorted(finals)]
+            entries = [route.whole_with_ids(choices[index], finals[index]) for index in sorted(finals)]
             await plan.finish(entries, used, complete=True)
         if envelope.include_usage:
             yield sse({"id": envelope.request_id, "object": envelope.chunk_object, "created": envelope.created,

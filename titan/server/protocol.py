@@ -92,6 +92,7 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob entries name tokens `token_id:N`
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     # vLLM's: keep only the last N prompt tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     skip_special_tokens: bool = True
