@@ -11,9 +11,10 @@ from pydantic import ValidationError
 
 from titan.engine.outputs import RequestOutput
 from titan.server.async_engine import AsyncEngine
+from titan.server.chat_protocol import ChatCompletionRequest
 from titan.server.errors import APIError, validation_error
 from titan.server.metrics import ServerMetrics, one_two_five_buckets, power_of_two_buckets
-from titan.server.protocol import ChatCompletionRequest, CompletionRequest, check_context, check_model
+from titan.server.protocol import CompletionRequest, check_context, check_model
 from titan.server.serve import process_start_time
 from titan.server.serving import choice_index, sse
 

@@ -44,6 +44,7 @@ from titan.server.api_models import (
 from titan.server.async_engine import AsyncEngine
 from titan.server.chat import create_chat_completion
 from titan.server.chat_prompt import chat_prompt_ids, check_template_reads
+from titan.server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages
 from titan.server.coalesce import FlightRelease
 from titan.server.completions import create_completion
 from titan.server.errors import bad_request, install_error_handlers, validation_error
@@ -52,15 +53,7 @@ from titan.server.gateway import Gateway
 from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
 from titan.server.middleware import APIKeyCheck, BodySizeLimit, OpenResponseCount
 from titan.server.openapi import DEBUG_ERRORS, ERROR_RESPONSES, install_openapi, json_body
-from titan.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    check_model,
-    check_token_ids,
-    template_messages,
-)
+from titan.server.protocol import CompletionRequest, check_model, check_token_ids
 from titan.server.serving import ServerState, tokenize
 from titan.server.tenants import TenantGate, TenantRegistry
 from titan.version import titan_version

@@ -13,9 +13,10 @@ from titan.engine.llm_engine import EngineInfo
 from titan.engine.outputs import RequestOutput
 from titan.engine.scheduler_output import TokenLogprobs
 from titan.server.chat_prompt import chat_prompt_ids, check_template_reads
+from titan.server.chat_protocol import ChatCompletionRequest
 from titan.server.errors import bad_request
 from titan.server.generation import GenerationRoute, Prepared, handle_generation
-from titan.server.protocol import ChatCompletionRequest, check_context
+from titan.server.protocol import check_context
 from titan.server.serving import (
     INLINE_TOKENIZE_CHARS,
     Choice,

@@ -11,8 +11,8 @@ import logging
 import threading
 from typing import Any
 
+from titan.server.chat_protocol import ChatTemplateFields
 from titan.server.errors import bad_request
-from titan.server.protocol import ChatTemplateFields
 from titan.tokenizer import Tokenizer
 from titan.tokenizer.chat_template import template_variables
 
