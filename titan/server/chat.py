@@ -16,9 +16,9 @@ from titan.server.chat_prompt import chat_prompt_ids, check_template_reads
 from titan.server.chat_protocol import ChatCompletionRequest
 from titan.server.errors import bad_request
 from titan.server.generation import GenerationRoute, Prepared, handle_generation
+from titan.server.limits import INLINE_TOKENIZE_CHARS
 from titan.server.protocol import check_context
 from titan.server.serving import (
-    INLINE_TOKENIZE_CHARS,
     Choice,
     ServerState,
     TokenTexts,
@@ -78,7 +78,7 @@ class ChatRoute(GenerationRoute):
         max_tokens = check_context(len(token_ids), body.requested_max_tokens, info.max_model_len, "messages")
         tool_constraint = constraint_for(self.tools, self.tool_choice, body.parallel_tool_calls) if self.tools else None
         choices = []
-        banned = body.bad_words_token_ids(tokenizer)
+        banned = await body.bad_words_token_ids_async(tokenizer)
         for sample in range(body.n):
             params = body.sampling_params(max_tokens, body.num_logprobs, sample, info.vocab_size,
                                           defaults=info.sampling_defaults, bad_words_token_ids=banned)

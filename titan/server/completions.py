@@ -52,7 +52,7 @@ class CompletionRoute(GenerationRoute):
         # that is never shown.
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         requested = 1 if body.scores_prompt_only else body.max_tokens
-        banned = body.bad_words_token_ids(info.tokenizer)
+        banned = await body.bad_words_token_ids_async(info.tokenizer)
         for prompt_index, token_ids in enumerate(prompt_ids):
             max_tokens = check_context(len(token_ids), requested, info.max_model_len)
             for sample in range(body.n):

@@ -8,6 +8,10 @@ DEFAULT_DRAIN_TIMEOUT_SECONDS = 25.0
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 # Request headers above this (all together) get 431; uvicorn's own default is 16 KiB.
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+# Texts longer than this are tokenized in a worker thread, so the event loop keeps streaming to
+# others meanwhile; shorter ones are cheaper inline than the hand-off (~50 us for 200 characters,
+# ~0.6 ms at this limit, measured in benchmarks/serving_overhead.py).
+INLINE_TOKENIZE_CHARS = 2048
 # Tool-call formats `tool_choice: auto` can parse (titan/server/tools.py).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # `--metrics-prefix`: Titan's own names, or vLLM's for the metrics both have (titan/server/metrics.py).

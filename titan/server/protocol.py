@@ -8,6 +8,7 @@ prompt or `max_tokens` that cannot fit the context into a 400 that names the tok
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -17,12 +18,14 @@ from titan.engine.sampling_params import InvalidParameterError, SamplingParams
 from titan.engine.structured import GrammarError, StructuredOutputs
 from titan.server.errors import APIError, bad_request
 from titan.server.fields import check_extra_fields
+from titan.server.limits import INLINE_TOKENIZE_CHARS
 from titan.tokenizer import Tokenizer
 
 # Without a limit one request could fan out into thousands of engine sequences.
 MAX_N = 128
-# Every step checks each bad word against each sequence's output: bounded per request.
+# Every step checks each bad word against each sequence's output: bounded per request, and per word.
 MAX_BAD_WORDS = 256
+MAX_BAD_WORD_TOKENS = 32
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -193,11 +196,20 @@ class SamplingRequest(BaseModel):
         for word in self.bad_words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = tokenizer.encode(text, add_special_tokens=False)
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise bad_request(f"each of bad_words may be at most {MAX_BAD_WORD_TOKENS} tokens",
+                                      param="bad_words")
                 if ids and ids not in sequences:
                     sequences.append(ids)
         if not sequences:
             raise bad_request("bad_words must hold words with text", param="bad_words")
         return sequences
+
+    async def bad_words_token_ids_async(self, tokenizer: Tokenizer) -> list[list[int]] | None:
+        """The same, in a worker thread when the words are long enough to hold up the event loop."""
+        if sum(len(word) for word in self.bad_words or ()) <= INLINE_TOKENIZE_CHARS:
+            return self.bad_words_token_ids(tokenizer)
+        return await asyncio.to_thread(self.bad_words_token_ids, tokenizer)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int = 0,
                         vocab_size: int | None = None, prompt_logprobs: int | None = None,
@@ -220,7 +232,8 @@ class SamplingRequest(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": self.logit_bias_ids(vocab_size),
-            "allowed_token_ids": None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            # Deduplicated (each id is in the vocabulary): the mask a step builds from it stays vocabulary-sized.
+            "allowed_token_ids": None if self.allowed_token_ids is None else sorted(set(self.allowed_token_ids)),
             "bad_words_token_ids": bad_words_token_ids,
             "prompt_logprobs": prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             "structured_outputs": self.structured(),

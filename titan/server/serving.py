@@ -23,16 +23,12 @@ from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler_output import TokenLogprobs
 from titan.server.async_engine import AsyncEngine, EngineFailed, EngineRequest, OutputStream, RequestRejected
 from titan.server.errors import APIError, bad_request, error_body
-from titan.server.limits import DEFAULT_MAX_SEQUENCES_PER_REQUEST
+from titan.server.limits import DEFAULT_MAX_SEQUENCES_PER_REQUEST, INLINE_TOKENIZE_CHARS
 from titan.server.middleware import ResponseCounter
 from titan.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
-# Texts longer than this are tokenized in a worker thread, so the event loop keeps streaming to
-# others meanwhile; shorter ones are cheaper inline than the hand-off (~50 us for 200 characters,
-# ~0.6 ms at this limit, measured in benchmarks/serving_overhead.py).
-INLINE_TOKENIZE_CHARS = 2048
 # A client that disconnected before the response: nginx's convention, never seen by anyone.
 CLIENT_CLOSED_REQUEST = 499
 
