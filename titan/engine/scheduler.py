@@ -110,7 +110,7 @@ class Scheduler:
         now = self.clock()
         step = StepBuilder(self.config.max_num_batched_tokens, now)
         if self.slo is not None and not self.running:
-            self.slo.typical_decodes.forget()
+            self.slo.idle()
         # Decodes first: a long prompt that is still prefilling must never starve them of budget.
         decodes = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
         prefills = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]

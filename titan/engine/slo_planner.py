@@ -70,6 +70,10 @@ class SloPlanner:
     def finished(self, seq: Sequence) -> None:
         self.batches.forget(seq.seq_id)
 
+    def idle(self) -> None:
+        """Nothing is running: the next decodes start a new typical shape rather than average with old ones."""
+        self.typical_decodes.forget()
+
     def cache_hit(self, seq: Sequence) -> int:
         """Tokens of a waiting sequence the prefix cache holds now (none for one that wants its prompt's
         logprobs: it computes every position)."""
