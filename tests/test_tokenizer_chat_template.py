@@ -204,3 +204,6 @@ def test_template_variables_and_kwargs_reach_the_template() -> None:
     docs = [{"title": "a", "text": "doc one"}]
     assert render(template, CONVERSATIONS[0], enable_thinking=True, documents=docs) == "<think>[doc one]Hello!"
     assert render(template, CONVERSATIONS[0], enable_thinking=False) == "Hello!"
+    # A kwarg of a type the template cannot use fails the request, as a ChatTemplateError (400), not a crash.
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        render("{% if budget > 3 %}x{% endif %}", CONVERSATIONS[0], budget={"a": 1})

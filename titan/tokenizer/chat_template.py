@@ -143,7 +143,9 @@ def render_chat_template(
         rendered = compile_template(template).render(**variables)
     except ChatTemplateError:
         raise
-    except jinja2.TemplateError as error:
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
+        # The template ran on the request's data (messages, tools, documents, kwargs): a value of a type it
+        # did not expect is the request's failure (400), not the server's.
         raise ChatTemplateError(f"chat template failed: {error}") from error
     return _cut_at_marker(rendered) if continue_final_message else rendered
 
