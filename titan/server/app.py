@@ -1,7 +1,7 @@
 """The ASGI app: OpenAI routes, health/readiness/metrics, API key and body-size limits.
 
 Endpoints:
-- `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`
+- `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`, `GET /v1/models`
 - `GET /health`: liveness. 200 while the process serves (also while loading and draining); 503 only
   once the engine thread has died, so a liveness probe restarts a wedged server.
 - `GET /ready`: readiness. 503 until the model is loaded and warmed up, 200 while serving, 503 again
@@ -54,6 +54,8 @@ from titan.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PE
 from titan.server.middleware import APIKeyCheck, BodySizeLimit, OpenResponseCount
 from titan.server.openapi import DEBUG_ERRORS, ERROR_RESPONSES, install_openapi, json_body
 from titan.server.protocol import CompletionRequest, check_model, check_token_ids
+from titan.server.responses import create_response
+from titan.server.responses_protocol import ResponsesRequest
 from titan.server.serving import ServerState, tokenize
 from titan.server.tenants import TenantGate, TenantRegistry
 from titan.version import titan_version
@@ -210,8 +212,15 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, create_chat_completion)
 
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest),
+              responses={200: {"description": "a Response object, or its events as SSE with stream: true"},
+                         **ERROR_RESPONSES})
+    async def responses(request: Request) -> Response:
+        return await generate(request, ResponsesRequest, create_response)
+
     install_dashboard(app, ServerDashboard(engine, dashboard or DashboardSettings()).data)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                          DetokenizeRequest])
     app.add_middleware(OpenResponseCount, counter=state.responses)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if gateway is not None and gateway.flights is not None:
