@@ -191,6 +191,20 @@ def test_chat_key_starts_with_the_system_message() -> None:
     assert key([other, {"role": "user", "content": "nails?"}]) != key([system, {"role": "user", "content": "x"}])
 
 
+def test_responses_api_keys_like_the_same_chat() -> None:
+    def chat(messages: list[dict[str, object]]) -> bytes | None:
+        return routing_info("/v1/chat/completions", json_bytes({"messages": messages}), 256, 64).key
+
+    def responses(body: dict[str, object]) -> bytes | None:
+        return routing_info("/v1/responses", json_bytes(body), 256, 64).key
+
+    system = {"role": "system", "content": SYSTEM}
+    same = chat([system, {"role": "user", "content": "nails?"}])
+    assert responses({"instructions": SYSTEM, "input": "nails?"}) == same
+    assert responses({"instructions": SYSTEM, "input": [{"role": "user", "content": "nails?"}]}) == same
+    assert responses({"input": "You are a poet. " * 30}) != same and responses({"input": 3}) is None
+
+
 def test_key_covers_whole_chunks_only() -> None:
     text = "".join(random.Random(0).choice("abcdefgh") for _ in range(300))
     assert affinity_key(text[:200], 256, 64) == affinity_key(text[:192], 256, 64)  # 3 whole chunks

@@ -74,9 +74,20 @@ def completion_text(prompt: Any) -> str | None:
     return None
 
 
+def responses_messages(body: dict[str, Any]) -> list[Any]:
+    """A Responses API request's conversation as chat messages (instructions first), for the same key."""
+    instructions, given = body.get("instructions"), body.get("input")
+    messages: list[Any] = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+    if isinstance(given, str):
+        return messages + [{"role": "user", "content": given}]
+    return messages + (given if isinstance(given, list) else [])
+
+
 def prompt_text(path: str, body: dict[str, Any]) -> str | None:
     if path.endswith("/chat/completions"):
         return chat_text(body.get("messages"))
+    if path.endswith("/responses"):
+        return chat_text(responses_messages(body))
     if path.endswith("/completions"):
         return completion_text(body.get("prompt"))
     return None
