@@ -102,6 +102,10 @@ def test_json_schema_text_format(client: openai.OpenAI, model: str) -> None:
     ("tools", [{"type": "web_search"}], "tools.0"),
     ("max_output_tokens", 10**6, "max_output_tokens"),
     ("input", [], "input"),
+    ("top_logprobs", 2, "top_logprobs"),
+    ("conversation", "conv_1", "conversation"),
+    ("text", {"format": {"type": "json_schema", "name": "x"}}, "text.format.json_schema"),
+    ("tool_choice", {"type": "function", "name": 5}, "tool_choice"),
 ])
 def test_what_a_stateless_server_cannot_do_is_a_400(server: ServerProcess, field: str, value: object,
                                                     param: str) -> None:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from titan.server.chat import create_chat_completion
 from titan.server.errors import APIError
-from titan.server.responses_protocol import RESPONSES_PARAM, ResponsesRequest
+from titan.server.responses_protocol import ResponsesRequest, responses_param
 from titan.server.serving import ServerState
 
 
@@ -28,7 +28,7 @@ async def create_response(state: ServerState, body: ResponsesRequest, request: R
     try:
         answer = await create_chat_completion(state, body.to_chat(), request)
     except APIError as error:  # name the fields as this API does
-        error.param = RESPONSES_PARAM.get(error.param or "", error.param)
+        error.param = responses_param(error.param)
         raise
     headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "content-type")}
     shell = ResponseShell(body, body.model or state.model_name)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from titan.server.chat_protocol import ChatCompletionRequest
-from titan.server.errors import bad_request
+from titan.server.errors import bad_request, validation_error
 from titan.server.fields import check_extra_fields
 
 
@@ -83,7 +83,12 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
 
     def check(self) -> None:
-        check_extra_fields(self.model_extra)
+        extra = self.model_extra or {}
+        for name in ("conversation", "prompt", "max_tool_calls", "top_logprobs"):  # known here, not honoured
+            if extra.get(name) is not None:
+                raise bad_request(f"{name} is not supported by this server", param=name,
+                                  code="unsupported_parameter")
+        check_extra_fields(extra)
         refused = [("previous_response_id", self.previous_response_id is not None),
                    ("store", bool(self.store)), ("background", bool(self.background)),
                    ("reasoning", bool(self.reasoning and self.reasoning.get("effort"))),
@@ -116,7 +121,10 @@ class ResponsesRequest(BaseModel):
             json_schema = {"name": format_.name, "schema": format_.json_schema, "strict": format_.strict}
             fields["response_format"] = {"type": format_.type} | (
                 {"json_schema": json_schema} if format_.type == "json_schema" else {})
-        return ChatCompletionRequest.model_validate(fields)
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as error:  # a value this API's schema let through but chat's does not
+            raise validation_error(error.errors()) from error
 
     def messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -164,3 +172,11 @@ class ResponsesRequest(BaseModel):
 # Chat request fields as this API names them, for the errors the chat path raises.
 RESPONSES_PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                    "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat field's path (`response_format.json_schema`) as this API names it (`text.format.json_schema`)."""
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    return RESPONSES_PARAM[head] + dot + rest if head in RESPONSES_PARAM else param
