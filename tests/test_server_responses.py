@@ -11,6 +11,8 @@ import openai
 import pytest
 
 from harness.server import ServerProcess
+from titan.server.responses import ResponseShell
+from titan.server.responses_protocol import ResponsesRequest
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -112,3 +114,11 @@ def test_what_a_stateless_server_cannot_do_is_a_400(server: ServerProcess, field
     reply = httpx.post(server.url + "/v1/responses", json={"input": "Hi", field: value}, timeout=120)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_cut_answers_are_incomplete_responses() -> None:
+    shell = ResponseShell(ResponsesRequest(input="x"), "m")
+    assert shell.response("completed", [], None, "stop")["status"] == "completed"
+    for finish, reason in (("length", "max_output_tokens"), ("content_filter", "content_filter")):
+        cut = shell.response("completed", [], None, finish)
+        assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": reason}

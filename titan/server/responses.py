@@ -76,11 +76,12 @@ class ResponseShell:
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
                   finish_reason: str | None = None) -> dict[str, Any]:
         body = self.body
-        incomplete = finish_reason == "length"
+        # A chat answer cut at max_tokens, or by an output guardrail, is an incomplete response.
+        incomplete = {"length": "max_output_tokens", "content_filter": "content_filter"}.get(finish_reason or "")
         text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {"format": {"type": "text"}}
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": "incomplete" if incomplete and status == "completed" else status,
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+                "incomplete_details": {"reason": incomplete} if incomplete else None, "error": None,
                 "model": self.model, "instructions": body.instructions, "output": output,
                 "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
                 "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
