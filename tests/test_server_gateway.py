@@ -293,6 +293,10 @@ def test_identical_requests_in_flight_are_coalesced() -> None:
             for thread in threads:
                 if thread.is_alive() or thread.ident is not None:
                     thread.join()
+        # A stored reply would not carry the token ids such a request wants back: it is never cached.
+        with_ids = [httpx.post(server.url + "/v1/completions", timeout=300, json={
+            "prompt": FRANCE, "max_tokens": 6, "temperature": 0, "return_token_ids": True}) for _ in range(2)]
+        assert all("x-titan-cache" not in r.headers and r.json()["choices"][0]["token_ids"] for r in with_ids)
     leader, follower = replies["leader"], replies["follower"]
     assert leader.headers["x-titan-cache"] == "miss" and follower.headers["x-titan-cache"] == "coalesced"
     assert follower.json()["choices"] == leader.json()["choices"] and follower.json()["usage"] == leader.json()["usage"]

@@ -121,7 +121,8 @@ class Gateway:
                                "(the ids would reveal filtered text)", param="return_token_ids",
                                code="unsupported_parameter")
             plan.filters = {choice.index: OutputFilter(self.guardrails.output) for choice in prepared.choices}
-        opted_out = getattr(body, "titan_cache", None) is False
+        # A stored reply keeps its choices' text, not the token ids a return_token_ids request wants back.
+        opted_out = getattr(body, "titan_cache", None) is False or body.return_token_ids
         cacheable = (not opted_out and not body.titan_timeline
                      and all(deterministic(choice.params) for choice in prepared.choices))
         scope = "*" if self.shared or tenant is None else f"tenant:{tenant.name}"
