@@ -168,3 +168,16 @@ def test_engine_load_failure_is_reported() -> None:
 
     engine = asyncio.run(run())
     assert isinstance(engine.error, FileNotFoundError) and not engine.ready.is_set() and not engine.alive
+
+
+def test_unknown_names_are_logged_once_and_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from titan.server import fields
+
+    monkeypatch.setattr(fields, "_logged", set())
+    with caplog.at_level("WARNING", logger="titan.server"):
+        for _ in range(2):
+            fields.check_extra_fields({f"field{i}": 1 for i in range(fields.MAX_LOGGED_NAMES + 50)})
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == fields.MAX_LOGGED_NAMES + 1  # each name once, then one word about the rest
+    assert "no longer logged" in messages[-1] and len(fields._logged) == fields.MAX_LOGGED_NAMES + 1

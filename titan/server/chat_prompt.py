@@ -7,19 +7,13 @@ own variables, so one it does not read changes nothing, as in vLLM, and is logge
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 from titan.server.chat_protocol import ChatTemplateFields
 from titan.server.errors import bad_request
+from titan.server.fields import warn_once
 from titan.tokenizer import Tokenizer
 from titan.tokenizer.chat_template import template_variables
-
-logger = logging.getLogger("titan.server")
-
-_logged: set[str] = set()
-_lock = threading.Lock()
 
 
 def check_template_reads(tokenizer: Tokenizer, fields: ChatTemplateFields) -> None:
@@ -31,11 +25,8 @@ def check_template_reads(tokenizer: Tokenizer, fields: ChatTemplateFields) -> No
     if fields.documents is not None and "documents" not in names:
         raise bad_request("this model's chat template does not read documents", param="documents")
     for name in sorted(set(fields.chat_template_kwargs or {}) - names):
-        with _lock:
-            first = name not in _logged
-            _logged.add(name)
-        if first:
-            logger.warning("chat_template_kwargs %r is not read by this model's chat template (logged once)", name)
+        warn_once(f"chat_template_kwargs:{name}",
+                  "chat_template_kwargs %r is not read by this model's chat template (logged once)", name)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], fields: ChatTemplateFields,

@@ -59,6 +59,7 @@ INFORMATIONAL_FIELDS = frozenset({"metadata", "service_tier", "guided_decoding_b
                                   "guided_whitespace_pattern", "request_id", "spaces_between_special_tokens",
                                   "structured_outputs.disable_any_whitespace", "structured_outputs.disable_fallback"})
 
+MAX_LOGGED_NAMES = 1024
 _logged: set[str] = set()
 _lock = threading.Lock()
 
@@ -73,10 +74,20 @@ def check_extra_fields(extra: Mapping[str, Any] | None, prefix: str = "") -> Non
             if rule(value):
                 raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
             continue
-        if name in INFORMATIONAL_FIELDS:
-            continue
-        with _lock:
-            first = name not in _logged
-            _logged.add(name)
-        if first:
-            logger.warning("ignoring unknown request field %r (logged once per field name)", name)
+        if name not in INFORMATIONAL_FIELDS:
+            warn_once(f"field:{name}", "ignoring unknown request field %r (logged once per field name)", name)
+
+
+def warn_once(key: str, message: str, *args: object) -> None:
+    """A WARNING the first time `key` comes up in this process. Keys come from clients, so at most
+    MAX_LOGGED_NAMES are remembered; past that, one last WARNING says new ones go unlogged."""
+    with _lock:
+        if key in _logged or len(_logged) > MAX_LOGGED_NAMES:
+            return
+        _logged.add(key)
+        full = len(_logged) > MAX_LOGGED_NAMES
+    if full:
+        logger.warning("more than %d distinct unknown request names: new ones are no longer logged",
+                       MAX_LOGGED_NAMES)
+    else:
+        logger.warning(message, *args)
