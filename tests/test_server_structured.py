@@ -140,6 +140,14 @@ def test_bad_words_are_never_written(server: ServerProcess) -> None:
                           timeout=30).json()["tokens"]) > 1
     without = written(phrase)
     assert without.startswith(kept) and phrase not in without
+    # Offline, vLLM's SamplingParams(bad_words=...) does the same (the engine tokenizes them).
+    from titan import LLM
+    from titan.engine.sampling_params import SamplingParams
+
+    llm = LLM("default", max_num_seqs=1, kv_cache_memory=0.05)
+    offline = llm.generate(body["prompt"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                          bad_words=[phrase]))[0].text
+    assert offline == without
     for bad in (["x"] * 300, ["lighthouse keeper " * 40]):  # bounded in number and in length (every step checks)
         refused = httpx.post(server.url + "/v1/completions", json=body | {"bad_words": bad}, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words", refused.text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -22,7 +24,7 @@ from titan.engine.gc_discipline import GcMonitor
 from titan.engine.model_runner import ModelRunner
 from titan.engine.outputs import OutputProcessor, RequestOutput
 from titan.engine.sampler import Sampler
-from titan.engine.sampling_params import SamplingParams
+from titan.engine.sampling_params import SamplingParams, tokenize_bad_words
 from titan.engine.scheduler import Scheduler
 from titan.engine.sequence import Sequence, SequenceStatus
 from titan.engine.spec.drafter import make_drafter
@@ -189,7 +191,11 @@ class LLMEngine:
         server is too loaded to start it in time. `arrival_time` (time.monotonic()) defaults to now; only
         requests with the same `cache_salt` share prefix-cache blocks."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id, priority, arrival_time, cache_salt)
+        params = sampling_params or SamplingParams()
+        if params.bad_words and params.bad_words_token_ids is None:  # offline: the server tokenized them already
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words, encode))
+        seq = Sequence(token_ids, params, request_id, priority, arrival_time, cache_salt)
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.scheduler.check_admissible(seq)

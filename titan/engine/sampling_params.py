@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,9 @@ if TYPE_CHECKING:
     from titan.engine.structured import StructuredOutputs
 
 MAX_REPETITION_PENALTY = 100.0
+# Every step checks each bad word against each sequence's output: bounded in number and in length.
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass
@@ -34,7 +38,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to the logits
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
-    # vLLM's bad_words as token sequences: a sequence's last token is banned right after the rest of it
+    # vLLM's bad_words: never completed. The engine tokenizes them into bad_words_token_ids (the server does
+    # so on the HTTP side): a sequence's last token is banned right after the rest of it.
+    bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
@@ -82,6 +88,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def tokenize_bad_words(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each bad word as the model writes it, alone and after a space (as vLLM bans them), deduplicated."""
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidParameterError("bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words")
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(text)
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise InvalidParameterError("bad_words", f"each of bad_words may be at most {MAX_BAD_WORD_TOKENS} "
+                                                         "tokens")
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    if not sequences:
+        raise InvalidParameterError("bad_words", "bad_words must hold words with text")
+    return sequences
 
 
 class InvalidParameterError(ValueError):

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from titan.engine.sampling_params import InvalidParameterError, SamplingParams
+from titan.engine.sampling_params import MAX_BAD_WORDS, InvalidParameterError, SamplingParams, tokenize_bad_words
 from titan.engine.structured import GrammarError, StructuredOutputs
 from titan.server.errors import APIError, bad_request
 from titan.server.fields import check_extra_fields
@@ -23,9 +23,6 @@ from titan.tokenizer import Tokenizer
 
 # Without a limit one request could fan out into thousands of engine sequences.
 MAX_N = 128
-# Every step checks each bad word against each sequence's output: bounded per request, and per word.
-MAX_BAD_WORDS = 256
-MAX_BAD_WORD_TOKENS = 32
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -189,21 +186,13 @@ class SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def bad_words_token_ids(self, tokenizer: Tokenizer) -> list[list[int]] | None:
-        """Each bad word as the model writes it, alone and after a space (as vLLM bans them)."""
+        """The bad words as token sequences, tokenized here so the engine thread never does it."""
         if not self.bad_words:
             return None
-        sequences: list[list[int]] = []
-        for word in self.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                if len(ids) > MAX_BAD_WORD_TOKENS:
-                    raise bad_request(f"each of bad_words may be at most {MAX_BAD_WORD_TOKENS} tokens",
-                                      param="bad_words")
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        if not sequences:
-            raise bad_request("bad_words must hold words with text", param="bad_words")
-        return sequences
+        try:
+            return tokenize_bad_words(self.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False))
+        except InvalidParameterError as error:
+            raise bad_request(str(error), param=error.param) from error
 
     async def bad_words_token_ids_async(self, tokenizer: Tokenizer) -> list[list[int]] | None:
         """The same, in a worker thread when the words are long enough to hold up the event loop."""
