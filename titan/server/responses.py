@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
@@ -30,6 +31,8 @@ async def create_response(state: ServerState, body: ResponsesRequest, request: R
     except APIError as error:  # name the fields as this API does
         error.param = responses_param(error.param)
         raise
+    if answer.status_code != HTTPStatus.OK:
+        return answer  # the client left (499): nothing to translate
     headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "content-type")}
     shell = ResponseShell(body, body.model or state.model_name)
     if not isinstance(answer, StreamingResponse):
