@@ -20,14 +20,13 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerProcess:
-    with ServerProcess(["--max-num-seqs", "8", "--kv-cache-memory", "0.1"]) as process:
-        yield process
+def server(api_server: ServerProcess) -> ServerProcess:
+    return api_server
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+def client(api_client: openai.OpenAI) -> openai.OpenAI:
+    return api_client
 
 
 @pytest.fixture(scope="module")

@@ -30,14 +30,13 @@ ASK = [{"role": "user", "content": "Describe the city of Paris as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerProcess:
-    with ServerProcess(["--max-num-seqs", "8", "--kv-cache-memory", "0.1"]) as process:
-        yield process
+def server(api_server: ServerProcess) -> ServerProcess:
+    return api_server
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+def client(api_client: openai.OpenAI) -> openai.OpenAI:
+    return api_client
 
 
 def test_json_schema_streamed_and_not_with_n_2(client: openai.OpenAI) -> None:
