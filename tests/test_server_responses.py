@@ -20,24 +20,14 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 
 @pytest.fixture(scope="module")
-def server(api_server: ServerProcess) -> ServerProcess:
-    return api_server
+def model(api_client: openai.OpenAI) -> str:
+    return api_client.models.list().data[0].id
 
 
-@pytest.fixture(scope="module")
-def client(api_client: openai.OpenAI) -> openai.OpenAI:
-    return api_client
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-def test_text_response_matches_chat_completions(client: openai.OpenAI, model: str) -> None:
-    response = client.responses.create(model=model, input="Name the capital of France.",
+def test_text_response_matches_chat_completions(api_client: openai.OpenAI, model: str) -> None:
+    response = api_client.responses.create(model=model, input="Name the capital of France.",
                                        instructions="Answer in one word.", max_output_tokens=8, temperature=0)
-    chat = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
+    chat = api_client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
         {"role": "system", "content": "Answer in one word."},
         {"role": "user", "content": "Name the capital of France."}])
     assert response.status in ("completed", "incomplete") and response.output_text
@@ -45,12 +35,12 @@ def test_text_response_matches_chat_completions(client: openai.OpenAI, model: st
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.id.startswith("resp_") and response.output[0].type == "message"
-    cut = client.responses.create(model=model, input="Tell me a long story.", max_output_tokens=3)
+    cut = api_client.responses.create(model=model, input="Tell me a long story.", max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
-def test_streamed_events_add_up_to_the_response(client: openai.OpenAI, model: str) -> None:
-    events = list(client.responses.create(model=model, input="Count from one to five.", max_output_tokens=16,
+def test_streamed_events_add_up_to_the_response(api_client: openai.OpenAI, model: str) -> None:
+    events = list(api_client.responses.create(model=model, input="Count from one to five.", max_output_tokens=16,
                                           temperature=0, stream=True))
     kinds = [event.type for event in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
@@ -61,36 +51,36 @@ def test_streamed_events_add_up_to_the_response(client: openai.OpenAI, model: st
     done = [event.text for event in events if event.type == "response.output_text.done"]
     final = events[-1].response
     assert deltas and done == [deltas] and final.output_text == deltas and final.usage.output_tokens > 0
-    whole = client.responses.create(model=model, input="Count from one to five.", max_output_tokens=16,
+    whole = api_client.responses.create(model=model, input="Count from one to five.", max_output_tokens=16,
                                     temperature=0)
     assert whole.output_text == deltas
 
 
-def test_function_tool_over_two_turns(client: openai.OpenAI, model: str) -> None:
+def test_function_tool_over_two_turns(api_client: openai.OpenAI, model: str) -> None:
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.responses.create(model=model, input=ask, tools=[WEATHER], tool_choice="required",
+    first = api_client.responses.create(model=model, input=ask, tools=[WEATHER], tool_choice="required",
                                     parallel_tool_calls=False, temperature=0, max_output_tokens=64)
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
     # Streamed, the same call arrives as an item with argument deltas.
-    events = list(client.responses.create(model=model, input=ask, tools=[WEATHER], temperature=0,
+    events = list(api_client.responses.create(model=model, input=ask, tools=[WEATHER], temperature=0,
                                           tool_choice={"type": "function", "name": "get_weather"},
                                           max_output_tokens=64, stream=True))
     streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert streamed == calls[0].arguments
     assert [e.item.name for e in events if e.type == "response.output_item.done"] == ["get_weather"]
     # The next turn sends the call and its output back as input items.
-    second = client.responses.create(model=model, tools=[WEATHER], temperature=0, max_output_tokens=24, input=[
+    second = api_client.responses.create(model=model, tools=[WEATHER], temperature=0, max_output_tokens=24, input=[
         *ask, {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
                "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 degrees"}])
     assert second.status in ("completed", "incomplete") and second.output
 
 
-def test_json_schema_text_format(client: openai.OpenAI, model: str) -> None:
+def test_json_schema_text_format(api_client: openai.OpenAI, model: str) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
               "additionalProperties": False}
-    response = client.responses.create(model=model, input="Which city is the capital of France? JSON.",
+    response = api_client.responses.create(model=model, input="Which city is the capital of France? JSON.",
                                        max_output_tokens=40, temperature=0, text={"format": {
                                            "type": "json_schema", "name": "city", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(response.output_text), schema)
@@ -108,9 +98,9 @@ def test_json_schema_text_format(client: openai.OpenAI, model: str) -> None:
     ("text", {"format": {"type": "json_schema", "name": "x"}}, "text.format.json_schema"),
     ("tool_choice", {"type": "function", "name": 5}, "tool_choice"),
 ])
-def test_what_a_stateless_server_cannot_do_is_a_400(server: ServerProcess, field: str, value: object,
+def test_what_a_stateless_server_cannot_do_is_a_400(api_server: ServerProcess, field: str, value: object,
                                                     param: str) -> None:
-    reply = httpx.post(server.url + "/v1/responses", json={"input": "Hi", field: value}, timeout=120)
+    reply = httpx.post(api_server.url + "/v1/responses", json={"input": "Hi", field: value}, timeout=120)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
 
