@@ -412,8 +412,9 @@ def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0, dema
 
 def with_two_decodes(scheduler: Scheduler) -> list[Sequence]:
     """Two requests mid-stream: their decodes alone take 0.12 s, so a step within the 0.245 s target holds 12
-    prefill tokens (0.24 s)."""
-    decoders = [sequence(4, max_tokens=500) for _ in range(2)]
+    prefill tokens (0.24 s). They arrived a second before the module started, so never in one arrival batch
+    with a test's queue (on a fast machine a test can start within the batch window of the module's start)."""
+    decoders = [sequence(4, arrival=-1.0, max_tokens=500) for _ in range(2)]
     for seq in decoders:
         scheduler.add(seq)
     assert step(scheduler).budget.reason == "no_decodes"  # nobody was mid-stream yet
