@@ -13,7 +13,7 @@ import pytest
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape, shape_of
-from titan.engine.prefill_budget import auto_ttft_seconds, choose_budget, most_on_time
+from titan.engine.prefill_budget import FUTILE_DRAIN_FACTOR, auto_ttft_seconds, choose_budget, most_on_time
 from titan.engine.prefill_demand import (
     BATCH_WINDOW_SECONDS,
     MAX_TRACKED_ARRIVALS,
@@ -898,3 +898,23 @@ def test_a_drain_that_gets_no_queue_on_time_keeps_the_chunk_that_gets_most_on_ti
     assert most_on_time(forecast, 8, 511, step_of) == 8
     late = [QueuedPrefill(479, waited_seconds=20.0, ttft_target=17.0), QueuedPrefill(100, 3.0, ttft_target=1.9)]
     assert most_on_time(QueueForecast(late), 8, 511, step_of) == 511
+    # Given a default (the drain's moderate step), a tie keeps it: the widest step saves nobody.
+    assert most_on_time(QueueForecast(late), 8, 511, step_of, default=40) == 40
+    # A chunk that gets more on time than the default wins, the smallest such on the search's grid (1, 2, 3, 4,
+    # 5, 7, 9, ...): one token a step gets the short prompt out after 6.9 s, 7 after 1.93 s, 9 after 1.76 s.
+    assert most_on_time(forecast, 1, 511, step_of, default=1) == 9
+
+
+def test_a_drain_that_saves_nobody_stays_near_the_capped_step() -> None:
+    """A 200-token prompt queued 12 s ago, past its 10 s target: late whatever the step. The excursion bound
+    (10 x the 0.245 s ITL target: 2.45 s, 233 tokens) would get it out in one step and make the two decodes wait
+    for all of it. Nothing is saved by that, so the drain takes FUTILE_DRAIN_FACTOR (1.5) x the capped step:
+    0.3675 s, 24 tokens (0.12 s of decodes + 0.01 s a token: 0.36 s)."""
+    scheduler = budget_scheduler(ttft_target_ms=10_000, max_itl_excursion=10.0)
+    with_two_decodes(scheduler)
+    (late,) = queue_now(scheduler, 1, 200)
+    late.arrival_time -= 12.0
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 0, 0)
+    assert FUTILE_DRAIN_FACTOR == 1.5
+    assert budget.prefill_tokens == 24 and budget.step_target_ms == pytest.approx(360.0)

@@ -32,8 +32,9 @@ carries decodes:
   the step takes the smallest chunk with which every queued first token is predicted within BACKLOG_SHARE
   of its target, up to X·T (or the whole token budget, if that is less; never slower than the arrivals,
   so under an overload the whole budget, as fcfs). If no chunk up to that bound gets the queue on time,
-  the bound, unless a smaller chunk gets more first tokens within their targets (then the smallest such
-  chunk, `most_on_time`). A small backlog so costs a small excursion, not the bound's. The
+  FUTILE_DRAIN_FACTOR x the capped step (never slower than the arrivals), unless another chunk up to the
+  bound gets more first tokens within their targets (then the smallest such chunk, `most_on_time`): the
+  bound's excursion is paid only where it saves one. A small backlog so costs a small excursion. The
   drain goes on until the queue is on time at the cap with half of every target to spare
   (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave the backlog's
   last requests right at their TTFT target, and the queue hovering there would switch between cap and
@@ -89,6 +90,17 @@ BACKLOG_SHARE = 1.0
 # raised goodput in every steady and storm cell; storm@0.7's ITL rule went 16 -> 13 of 60, TTFT P50 ~15 %
 # later.
 MAX_PACED_FACTOR = 2.5
+# A drain whose widest step gets no more first tokens on time than a step of this many times the capped (or
+# paced) one takes that step (never slower than the arrivals): the bound's excursion buys nothing then. It
+# took the bound before, and in a served storm@0.7 on an AMX Xeon two such steps (447 and 344 ms, one late
+# request predicted on time either way) were the ITL max, 10.7x the P50. Replayed over 12 draws per cell
+# with three machines' cost laws (that Xeon's, the AVX2 EPYC's, Zen 4's; noise 0.15, correlation 0.5), the
+# median storm@0.7 max fell from 8.7 / 8.8 / 3.7x the P50 to 3.0 / 3.7 / 3.7x and its max rule passed in
+# 6 / 4 / 5 draws instead of 1 / 3 / 5; Zen 4's steady@0.7 max went from 8.7 to 3.0x, the EPYC's steady@0.7
+# ITL rule passed in 5 draws instead of 3; the burst rules held. The cost is goodput where backlogs persist:
+# storm@0.7 4 % lower on the Xeon's law, storm@1.5 9 % lower on the EPYC's, still >= fcfs in the same draws.
+# 2.5 kept more of the goodput but left the storm max at 4.5x on the Xeon's law (2 draws of 12).
+FUTILE_DRAIN_FACTOR = 1.5
 # Chunk sizes a drain that gets no queue on time compares grow by this factor (most_on_time).
 SEARCH_GROWTH = 1.25
 
@@ -197,7 +209,9 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(forecast, floor, widest_tokens, step_of)
     if tokens is None:
-        tokens = most_on_time(forecast, floor, widest_tokens, step_of)
+        futile = tokens_within(min(widest, FUTILE_DRAIN_FACTOR * cap_target))
+        moderate = max(floor, min(keeping_up, widest_tokens), futile)
+        tokens = most_on_time(forecast, floor, widest_tokens, step_of, moderate)
     bound = widest if tokens == widest_tokens else max(step_of(tokens), cap_target)
     itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
@@ -205,19 +219,23 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
                           typical.num_sequences)
 
 
-def most_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int:
-    """With no chunk in [low, high] getting the queue on time: `high` (the drain's widest step, as fcfs under
-    an overload) unless a smaller chunk is predicted to get more first tokens within their targets, then the
-    smallest of those. A whole-budget step makes every request wait for all of it: one late long prompt
-    queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on time."""
-    best, best_met = high, forecast.met(high, step_of(high))
+def most_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable[[int], float],
+                 default: int | None = None) -> int:
+    """With no chunk in [low, high] getting the queue on time: `default` (or `high`, the drain's widest step,
+    as fcfs under an overload) unless another chunk is predicted to get more first tokens within their
+    targets, then the smallest of those. A whole-budget step makes every request wait for all of it: one late
+    long prompt queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on
+    time; and where the widest step saves nobody, it is an excursion for nothing (FUTILE_DRAIN_FACTOR)."""
+    best = high if default is None else default
+    best_met = forecast.met(best, step_of(best))
     tokens = max(low, 1)
-    while tokens < high:
+    while True:
         met = forecast.met(tokens, step_of(tokens))
         if met > best_met:
             best, best_met = tokens, met
-        tokens = max(tokens + 1, math.ceil(SEARCH_GROWTH * tokens))
-    return best
+        if tokens >= high:
+            return best
+        tokens = min(high, max(tokens + 1, math.ceil(SEARCH_GROWTH * tokens)))
 
 
 def smallest_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable[[int], float]) -> int | None:
