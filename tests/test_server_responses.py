@@ -1,5 +1,6 @@
 """OpenAI's Responses API (`POST /v1/responses`) on a real server, through the official openai client: text,
-streamed events, function tools over two turns, JSON output, and the fields a stateless server refuses."""
+streamed events, function tools over two turns, JSON output, log probabilities, and the fields a stateless
+server refuses."""
 
 from __future__ import annotations
 
@@ -86,6 +87,29 @@ def test_json_schema_text_format(api_client: openai.OpenAI, model: str) -> None:
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
+def test_log_probabilities_whole_and_streamed(api_client: openai.OpenAI, model: str) -> None:
+    """include message.output_text.logprobs with top_logprobs: one entry per output token with its top
+    alternatives, as chat's; streamed, each text delta carries its own tokens' and the done event all."""
+    ask = {"model": model, "input": "Name three colours.", "max_output_tokens": 12, "temperature": 0,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = api_client.responses.create(**ask)
+    part = response.output[0].content[0]
+    assert len(part.logprobs) == response.usage.output_tokens and response.top_logprobs == 2
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 and entry.bytes for entry in part.logprobs)
+    chat = api_client.chat.completions.create(model=model, max_tokens=12, temperature=0, logprobs=True,
+                                              top_logprobs=2, messages=[{"role": "user", "content": ask["input"]}])
+    assert [entry.token for entry in part.logprobs] == [entry.token for entry in chat.choices[0].logprobs.content]
+    events = list(api_client.responses.create(**ask, stream=True))
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    (done,) = [event for event in events if event.type == "response.output_text.done"]
+    streamed = [entry.token for event in deltas for entry in event.logprobs]
+    assert streamed == [entry.token for entry in done.logprobs] == [entry.token for entry in part.logprobs]
+    # Without either field, no log probabilities are computed: the list is there and empty.
+    plain = api_client.responses.create(model=model, input="Hi", max_output_tokens=4)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs is None
+
+
 @pytest.mark.parametrize(("field", "value", "param"), [
     ("previous_response_id", "resp_123", "previous_response_id"),
     ("store", True, "store"),
@@ -93,7 +117,8 @@ def test_json_schema_text_format(api_client: openai.OpenAI, model: str) -> None:
     ("tools", [{"type": "web_search"}], "tools.0"),
     ("max_output_tokens", 10**6, "max_output_tokens"),
     ("input", [], "input"),
-    ("top_logprobs", 2, "top_logprobs"),
+    ("top_logprobs", 21, "top_logprobs"),
+    ("include", ["message.output_text.logprobs", "reasoning.encrypted_content"], "include"),
     ("conversation", "conv_1", "conversation"),
     ("text", {"format": {"type": "json_schema", "name": "x"}}, "text.format.json_schema"),
     ("tool_choice", {"type": "function", "name": 5}, "tool_choice"),

@@ -55,10 +55,18 @@ def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
             "total_tokens": chat["total_tokens"]}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" or text
-            else []}
+            "content": [_text_part(text, logprobs)] if status == "completed" or text else []}
+
+
+def _chat_logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's token log probabilities: the same objects (token, logprob, bytes, top_logprobs)."""
+    return (choice.get("logprobs") or {}).get("content") or []
 
 
 def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
@@ -91,14 +99,14 @@ class ResponseShell:
                 "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
                 "parallel_tool_calls": body.parallel_tool_calls, "text": text, "metadata": body.metadata or {},
                 "previous_response_id": None, "reasoning": None, "store": False, "truncation": "disabled",
-                "user": body.user, "usage": _usage(usage)}
+                "top_logprobs": body.top_logprobs, "user": body.user, "usage": _usage(usage)}
 
     def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
         message = choice["message"]
         output = []
         if message.get("content"):
-            output.append(_message_item(_id("msg"), message["content"], "completed"))
+            output.append(_message_item(_id("msg"), message["content"], "completed", _chat_logprobs(choice)))
         for call in message.get("tool_calls") or []:
             output.append(_call_item(_id("fc"), call, "completed"))
         return self.response("completed", output, chat.get("usage"), choice.get("finish_reason"))
@@ -139,6 +147,8 @@ class _ChatStream:
         self.shell = shell
         self.output: list[dict[str, Any]] = []  # items done
         self.text: str | None = None  # the open message's text (None: no message open)
+        self.logprobs: list[dict[str, Any]] = []  # the open message's tokens'
+        self.pending: list[dict[str, Any]] = []  # tokens whose text has not come out yet (held back)
         self.message_id = _id("msg")
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index → open function_call item
         self.finish_reason: str | None = None
@@ -155,17 +165,20 @@ class _ChatStream:
         out: list[bytes] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            self.pending += _chat_logprobs(choice)
             if delta.get("content"):
                 if self.text is None:
                     self.text = ""
                     out.append(event("response.output_item.added", output_index=len(self.output),
-                                     item=_message_item(self.message_id, "", "in_progress")))
+                                     item=_message_item(self.message_id, "", "in_progress", [])))
                     out.append(event("response.content_part.added", item_id=self.message_id,
-                                     output_index=len(self.output), content_index=0,
-                                     part={"type": "output_text", "text": "", "annotations": []}))
+                                     output_index=len(self.output), content_index=0, part=_text_part("", [])))
                 self.text += delta["content"]
+                logprobs, self.pending = self.pending, []
+                self.logprobs += logprobs
                 out.append(event("response.output_text.delta", item_id=self.message_id,
-                                 output_index=len(self.output), content_index=0, delta=delta["content"]))
+                                 output_index=len(self.output), content_index=0, delta=delta["content"],
+                                 logprobs=logprobs))
             for call in delta.get("tool_calls") or []:
                 out += self._call_delta(call)
             if choice.get("finish_reason"):
@@ -175,6 +188,7 @@ class _ChatStream:
     def _call_delta(self, call: dict[str, Any]) -> list[bytes]:
         event = self.shell.event
         out = self._close_message()
+        self.pending = []  # a call's tokens: a function_call item has no log probabilities
         item = self.calls.get(call["index"])
         function = call.get("function") or {}
         if item is None:
@@ -194,12 +208,13 @@ class _ChatStream:
         if self.text is None:
             return []
         event, index, text = self.shell.event, len(self.output), self.text
-        part = {"type": "output_text", "text": text, "annotations": []}
-        item = _message_item(self.message_id, text, "completed")
+        logprobs, self.logprobs, self.pending = self.logprobs + self.pending, [], []
+        part = _text_part(text, logprobs)
+        item = _message_item(self.message_id, text, "completed", logprobs)
         self.output.append(item)
         self.text = None
         return [event("response.output_text.done", item_id=self.message_id, output_index=index, content_index=0,
-                      text=text),
+                      text=text, logprobs=logprobs),
                 event("response.content_part.done", item_id=self.message_id, output_index=index, content_index=0,
                       part=part),
                 event("response.output_item.done", output_index=index, item=item)]

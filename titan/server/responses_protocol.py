@@ -5,7 +5,8 @@ function-call items of an earlier turn) with `instructions` becomes `messages`, 
 wrapper, `text.format` becomes `response_format`. The request then runs the chat path unchanged (tenants,
 guardrails, caches, admission), and `responses.py` turns its answer into a Response. Nothing is stored, so
 what needs a stored response (`previous_response_id`, `store: true`, `background`) is a 400, as is any tool
-type other than `function`.
+type other than `function`. Log probabilities (`include: ["message.output_text.logprobs"]`, `top_logprobs`)
+are chat's `logprobs` / `top_logprobs`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from titan.server.chat_protocol import ChatCompletionRequest
 from titan.server.errors import bad_request, validation_error
 from titan.server.fields import check_extra_fields
+
+# The one `include` item a stateless server without tools of its own can honour.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class InputPart(BaseModel):
@@ -81,18 +85,20 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def check(self) -> None:
         extra = self.model_extra or {}
-        for name in ("conversation", "prompt", "max_tool_calls", "top_logprobs"):  # known here, not honoured
+        for name in ("conversation", "prompt", "max_tool_calls"):  # known here, not honoured
             if extra.get(name) is not None:
                 raise bad_request(f"{name} is not supported by this server", param=name,
                                   code="unsupported_parameter")
         check_extra_fields(extra)
+        others = [item for item in self.include or [] if item != LOGPROBS_INCLUDE]
         refused = [("previous_response_id", self.previous_response_id is not None),
                    ("store", bool(self.store)), ("background", bool(self.background)),
                    ("reasoning", bool(self.reasoning and self.reasoning.get("effort"))),
-                   ("truncation", self.truncation == "auto"), ("include", bool(self.include))]
+                   ("truncation", self.truncation == "auto"), ("include", bool(others))]
         for name, asked in refused:
             if asked:
                 raise bad_request(f"{name} is not supported by this server (responses are not stored, and this "
@@ -101,6 +107,11 @@ class ResponsesRequest(BaseModel):
             if tool.type != "function" or not tool.name:
                 raise bad_request("only function tools (with a name) are supported", param=f"tools.{index}",
                                   code="unsupported_parameter")
+
+    @property
+    def logprobs(self) -> bool:
+        """Output text with its tokens' log probabilities: asked by `include` or by a `top_logprobs` count."""
+        return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat completions request this one stands for (streamed with usage, for response.completed)."""
@@ -111,6 +122,8 @@ class ResponsesRequest(BaseModel):
         }
         if self.stream:
             fields["stream_options"] = {"include_usage": True}
+        if self.logprobs:
+            fields |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.tools:
             fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                                for tool in self.tools]
