@@ -483,14 +483,14 @@ def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:
     assert (budget.reason, budget.ttft_met_capped, budget.prefill_tokens) == ("backlog", 0, 14)
 
 
-@pytest.mark.parametrize(("prompt", "chunk"), [(202, 9), (602, 18)])
+@pytest.mark.parametrize(("prompt", "chunk"), [(202, 9), (602, 12)])
 def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: int) -> None:
     """ITL target 0.15 s: a capped step holds 3 prefill tokens (0.12 + 0.03 s), 20 tokens/s. 210 prompt tokens
     arrived just now, at the start of a busy spell: over a quarter of the 40 s window, 21 tokens/s, 42 with
     the 2x headroom. The one queued prompt is on time at the cap, but the cap is slower than the arrivals, so
     it widens to the smallest chunk that keeps pace: b >= 42 (0.12 + 0.01 b), 9 tokens. With 610 tokens (122
-    tokens/s with the headroom) no chunk keeps pace (each token takes 0.01 s); pacing stops at 2.5 times the
-    decodes' own step, 0.30 s and 18 tokens, and the queue waits within its 40 s target."""
+    tokens/s with the headroom) no chunk keeps pace (each token takes 0.01 s); pacing stops at 2 times the
+    decodes' own step, 0.24 s and 12 tokens, and the queue waits within its 40 s target."""
     scheduler = budget_scheduler(ttft_target_ms=40_000, demand_window_s=40.0, itl_slo_ms=150.0)
     decoders = with_two_decodes(scheduler)  # 2 x 4 prompt tokens
     queue_now(scheduler, 1, prompt)
@@ -498,7 +498,7 @@ def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: 
     budget = output.budget
     assert (budget.reason, budget.prefill_tokens, budget.ttft_met_capped) == ("paced", chunk, 1)
     assert budget.demand_tokens_per_s == pytest.approx((prompt + 8) / 10.0)
-    assert budget.typical_decodes == 2 and budget.paced_step_ms == pytest.approx(min(120.0 + 10.0 * chunk, 300.0))
+    assert budget.typical_decodes == 2 and budget.paced_step_ms == pytest.approx(min(120.0 + 10.0 * chunk, 240.0))
     assert budget.step_target_ms == pytest.approx(120.0 + 10.0 * chunk)
     assert budget.itl_target_ms == pytest.approx(150.0)
     assert output.num_batched_tokens == 2 + chunk
@@ -513,10 +513,10 @@ def test_slo_cap_keeps_pace_with_the_prompt_tokens_arriving(prompt: int, chunk: 
 
 def test_paced_steps_take_one_duration_whatever_their_width() -> None:
     """Pacing sizes a step duration at the typical decodes, not a chunk per step. Typical here are 2.5
-    decodes (0.125 s alone); the 602-token arrivals pace at 2.5 times that, 0.3125 s. A step of one decode
+    decodes (0.125 s alone); the 602-token arrivals pace at 2 times that, 0.25 s. A step of one decode
     then takes a bigger chunk than a step of two, one of four a smaller, and all three steps take the same
-    0.3125 s to the nearest token (0.01 s; sized at 2.5 times their own decodes, they would take 0.275, 0.30
-    and 0.35 s)."""
+    0.25 s to the nearest token (0.01 s; sized at 2 times their own decodes, they would take 0.22, 0.24
+    and 0.28 s)."""
     model = fixed_cost_model(0.1, 0.01)
     chunks = []
     for width in (1, 2, 4):
@@ -528,7 +528,7 @@ def test_paced_steps_take_one_duration_whatever_their_width() -> None:
         queue_now(scheduler, 1, 602 - 4 * width)
         output = step(scheduler)
         assert output.budget.reason == "paced"
-        assert 0.305 <= model.predict(shape_of(output.scheduled)) <= 0.32
+        assert 0.245 <= model.predict(shape_of(output.scheduled)) <= 0.26
         chunks.append(output.budget.prefill_tokens)
     assert chunks[0] > chunks[1] > chunks[2]
 
@@ -605,7 +605,7 @@ def test_slo_policy_prefills_a_batch_at_the_whole_budget_with_nobody_mid_stream(
 def test_a_drain_keeps_pace_with_the_arrivals_without_pacing_headroom() -> None:
     """610 prompt tokens arrived, 61 tokens/s over a quarter of the 40 s window. A request already past its
     TTFT target makes the queue a backlog that no chunk gets on time, so the drain takes its widest step, the
-    longest of the excursion bound (1.5 x 0.15 s), the paced step (0.30 s: 2.5 times the two decodes' 0.12 s)
+    longest of the excursion bound (1.5 x 0.15 s), the paced step (0.24 s: 2 times the two decodes' 0.12 s)
     and the step that keeps pace with the arrivals (61 tokens/s: 19 tokens, 0.31 s): 0.31 s. With pacing's
     2x headroom (122 tokens/s) no chunk would keep pace and the drain would take the whole budget, 2.66 s;
     with 1.25x, 39 tokens and 0.51 s: one long prompt in the window made every drain step that long."""

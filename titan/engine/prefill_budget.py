@@ -88,8 +88,15 @@ BACKLOG_SHARE = 1.0
 # ones are (15 %: actual/predicted P10-P90 0.81-1.19), 2.5 met steady@0.7's ITL rule in 13, 8 and 4 draws of
 # 20 (AVX2 law twice, Zen 4 law) instead of 6, 4 and 2, storm@0.7's max rule in 26 of 60 instead of 20, and
 # raised goodput in every steady and storm cell; storm@0.7's ITL rule went 16 -> 13 of 60, TTFT P50 ~15 %
-# later.
-MAX_PACED_FACTOR = 2.5
+# later. Since stop 51 it is 2 again: a drain that saves nobody no longer takes the excursion bound
+# (FUTILE_DRAIN_FACTOR), so the queue a slower pace leaves costs a small step, not the tail. Replayed (12
+# draws, the three laws: an AMX Xeon's, the AVX2 EPYC's, Zen 4's), 2 against 2.5 met steady@0.7's ITL rule
+# in 6 / 6 / 2 draws instead of 0 / 5 / 1, storm@0.7's in 3 / 3 / 3 instead of 4 / 1 / 3 and its max rule in
+# 3 / 6 / 6 instead of 6 / 4 / 5, raised goodput in every steady and storm cell (storm@0.7 +15 / +13 / +9 %),
+# and cost 26-43 % of steady@0.7's TTFT P50 (and two of Zen 4's burst@0.7 TTFT draws: 9 of 12 met). Served
+# twice on the Xeon (steady + storm at 0.7x): steady 1.53x and 1.57x (intervals 1.44-1.78 and 1.46-1.75,
+# wholly below 2; 2.09-2.18x at 2.5), storm 2.15x and 2.00x with max 3.74x and 2.55x.
+MAX_PACED_FACTOR = 2.0
 # A drain whose widest step gets no more first tokens on time than a step of this many times the capped (or
 # paced) one takes that step (never slower than the arrivals): the bound's excursion buys nothing then. It
 # took the bound before, and in a served storm@0.7 on an AMX Xeon two such steps (447 and 344 ms, one late
