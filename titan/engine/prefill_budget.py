@@ -233,11 +233,12 @@ def most_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable
     targets, then the smallest of those. A whole-budget step makes every request wait for all of it: one late
     long prompt queued with short ones on time at the cap took a 0.9 s step that got one fewer of them on
     time; and where the widest step saves nobody, it is an excursion for nothing (FUTILE_DRAIN_FACTOR)."""
-    best = high if default is None else default
-    best_met = forecast.met(best, step_of(best))
+    start = high if default is None else default
+    best, best_met = start, forecast.met(start, step_of(start))
     tokens = max(low, 1)
     while True:
-        met = forecast.met(tokens, step_of(tokens))
+        # The starting chunk is already counted; a forecast is a walk over the whole queue.
+        met = forecast.met(tokens, step_of(tokens)) if tokens != start else best_met
         if met > best_met:
             best, best_met = tokens, met
         if tokens >= high:
