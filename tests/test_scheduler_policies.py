@@ -399,14 +399,17 @@ def test_cost_model_rebuilt_from_decodes_alone_still_prices_a_prefill() -> None:
 
 
 def budget_scheduler(ttft_target_ms: float, max_itl_excursion: float = 4.0, demand_window_s: float = 0.0,
-                     itl_slo_ms: float = 245.0, batch_min_requests: int = 0) -> Scheduler:
+                     itl_slo_ms: float = 245.0, batch_min_requests: int = 0,
+                     max_drain_step_factor: float = 0.0) -> Scheduler:
     """slo, ITL target 0.245 s, 0.1 s per step + 0.01 s per token: seconds-scale costs, so the few
     milliseconds a test takes between queuing and scheduling never move a TTFT across its target. Pacing
     to the prompt arrival rate is off unless a test is about it, and so are batch drains (its prompts all
-    arrive at once)."""
+    arrive at once) and the drain bound at a multiple of the typical decodes' step (the excursion bound
+    decides)."""
     config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=itl_slo_ms,
                              ttft_target_ms=ttft_target_ms, max_itl_excursion=max_itl_excursion,
-                             prefill_demand_window_s=demand_window_s, batch_min_requests=batch_min_requests)
+                             prefill_demand_window_s=demand_window_s, batch_min_requests=batch_min_requests,
+                             max_drain_step_factor=max_drain_step_factor)
     return Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01))
 
 
@@ -462,6 +465,32 @@ def test_slo_policy_drains_a_backlog_at_the_excursion_bound_until_half_the_targe
         scheduler.abort(seq.seq_id)
     budget = step(scheduler).budget
     assert budget.reason == "itl_cap" and budget.queued >= 2 and not scheduler.slo.draining
+
+
+def test_a_drain_is_bounded_at_a_multiple_of_the_typical_decodes_step_unless_the_arrivals_outrun_it() -> None:
+    """The queue of the test above (20 prompts of 40 tokens, 10 s target, excursion bound 0.98 s) with the drain
+    bounded at 2.5 x the typical decodes' own step: the two decodes alone take 0.12 s, so the drain's step is
+    0.3 s, 18 prompt tokens, not 0.98 s. When the prompts arrive faster than even whole-budget steps prefill
+    (an overload: 808 tokens within the quarter second the 1 s window's rate is measured over at least, 3,232
+    tokens/s against the 95 a whole-budget step computes), the bound does not apply: the drain keeps pace with the
+    arrivals (the whole budget) unless a smaller chunk gets more first tokens on time, and 87 tokens, 0.99 s, the
+    smallest on the search's grid to get 19 of 20 out in time, does."""
+    scheduler = budget_scheduler(ttft_target_ms=10_000, max_drain_step_factor=2.5)
+    with_two_decodes(scheduler)
+    queue_now(scheduler, 20, 40)
+    budget = step(scheduler).budget
+    assert (budget.reason, budget.step_target_ms, budget.prefill_tokens) == ("backlog", pytest.approx(300.0), 18)
+    assert budget.typical_decodes == pytest.approx(2.0)
+
+    overloaded = budget_scheduler(ttft_target_ms=10_000, max_drain_step_factor=2.5, demand_window_s=1.0)
+    with_two_decodes(overloaded)
+    queue_now(overloaded, 20, 40)
+    output = step(overloaded)
+    assert output.budget.reason == "backlog" and output.budget.demand_tokens_per_s > 1000
+    assert (output.budget.step_target_ms, output.budget.prefill_tokens) == (pytest.approx(990.0), 87)
+    assert output.budget.ttft_met == 19
+    with pytest.raises(ValueError, match="max_drain_step_factor"):
+        SchedulerConfig(policy="slo", max_drain_step_factor=0.5)
 
 
 def test_slo_policy_keeps_the_cap_while_the_queue_is_on_time() -> None:

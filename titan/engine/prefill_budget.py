@@ -31,7 +31,9 @@ carries decodes:
   (or paced). Otherwise the queue is a backlog (some first token is late, or about to be, at the cap) and
   the step takes the smallest chunk with which every queued first token is predicted within BACKLOG_SHARE
   of its target, up to X·T (or the whole token budget, if that is less; never slower than the arrivals,
-  so under an overload the whole budget, as fcfs). If no chunk up to that bound gets the queue on time,
+  so under an overload the whole budget, as fcfs), but at most D x the typical decodes' own step (D:
+  `max_drain_step_factor`; not under an overload, where no chunk keeps pace with the arrivals, and never
+  below the capped step). If no chunk up to that bound gets the queue on time,
   FUTILE_DRAIN_FACTOR x the capped step (never slower than the arrivals), unless another chunk up to the
   bound gets more first tokens within their targets (then the smallest such chunk, `most_on_time`): the
   bound's excursion is paid only where it saves one. A small backlog so costs a small excursion. The
@@ -108,6 +110,17 @@ MAX_PACED_FACTOR = 2.0
 # storm@0.7 4 % lower on the Xeon's law, storm@1.5 9 % lower on the EPYC's, still >= fcfs in the same draws.
 # 2.5 kept more of the goodput but left the storm max at 4.5x on the Xeon's law (2 draws of 12).
 FUTILE_DRAIN_FACTOR = 1.5
+# A drain is bounded at `max_drain_step_factor` (default 2, pacing's own bound, MAX_PACED_FACTOR) x the typical
+# decodes' own step unless the arrivals outrun whole-budget steps: X·T alone (10 x 1.5 x the step's decodes) let
+# a drain run to ~15 decode-only steps, and wherever the queue turned into a backlog those steps were the
+# token-gap tail. Replayed in stop 52 over 40 fresh draws per cell (seeds 200+, noise 0.15, correlation 0.5)
+# with three machines' laws (an AMX Xeon's, the AVX2 EPYC's, Zen 4's), against no such bound: steady@0.7's ITL
+# rule passed in 23 / 30 / 32 draws instead of 10 / 10 / 4, storm@0.7's in 35 / 20 / 27 instead of 20 / 16 / 16
+# and its max rule in 38 / 32 / 32 instead of 19 / 27 / 26; goodput rose in every steady, storm and shared cell
+# but Zen 4's steady@0.7 (-1 %); burst cells are batches and did not move. The price is output tok/s in the
+# 1.5x cells, 0.91-0.96x fcfs's instead of 0.95-0.99x, and the storm@1.5 max rule on the Xeon's law (25 -> 7
+# draws). 2.5 met steady@0.7 in 11 / 22 / 16. Bounded in an overload too, the 1.5x ITL rules passed in 4-11
+# draws of 12 instead of none, but at 0.71-0.86x fcfs's output tok/s there: not kept.
 # Chunk sizes a drain that gets no queue on time compares grow by this factor (most_on_time).
 SEARCH_GROWTH = 1.25
 
@@ -148,14 +161,15 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
                   queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
                   draining: bool = False, min_chunk: int = 1, demand: float = 0.0,
                   typical: StepShape | None = None, demand_start: int = 0,
-                  batch: bool = False) -> BudgetDecision:
+                  batch: bool = False, max_drain_factor: float = 0.0) -> BudgetDecision:
     """The module docstring's rule for a step whose decodes have shape `decodes` and `token_budget` tokens
     left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: the last step drained
     a backlog; `min_chunk`: prefill tokens a step computes even past the cap; `demand`: prompt tokens
     arriving per second, which the cap keeps pace with; `typical`: the decodes of a typical recent step
     (titan.engine.prefill_demand.TypicalDecodes), which pacing sizes its step duration at (default: these);
     `demand_start`: the position the arriving prompt tokens typically start at (their prefix-cache hits);
-    `batch`: the queue holds an arrival batch (titan.engine.prefill_demand.ArrivalBatches), drained as one.
+    `batch`: the queue holds an arrival batch (titan.engine.prefill_demand.ArrivalBatches), drained as one;
+    `max_drain_factor`: a drain step's bound as a multiple of the typical decodes' own step (0: none).
     The queue's tokens are priced at the position they start at on average (`queued_start`)."""
     position = queued_start(queue)
     forecast = QueueForecast(queue, decode_growth(cost_model, queue))
@@ -213,6 +227,11 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     # prompt in the window read as an overload and a drain step took the whole budget (~1 s).
     keeping_up = paced_chunk(cost_model, decodes, token_budget, demand, demand_start)
     widest = min(max(max_excursion * itl_target, cap_target, step_of(keeping_up)), step_of(token_budget))
+    if max_drain_factor and keeping_up < token_budget:
+        # Within pacing's reach of the typical step, not the excursion bound's: the decodes' gaps stay near
+        # their usual one while a backlog drains. An overload (the arrivals outrun every chunk) is not bounded:
+        # steps that small there gave up 14-29 % of fcfs's output tok/s.
+        widest = max(min(widest, max_drain_factor * cost_model.predict(typical)), cap_target)
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(forecast, floor, widest_tokens, step_of)
     if tokens is None:

@@ -177,7 +177,7 @@ class SloPlanner:
         demand_start = self.demand.start_position() if self.demand is not None else 0
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk, demand,
-                                 typical, demand_start, batch)
+                                 typical, demand_start, batch, config.max_drain_step_factor)
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
