@@ -480,7 +480,7 @@ def test_a_drain_is_bounded_at_a_multiple_of_the_typical_decodes_step_unless_the
     queue_now(scheduler, 20, 40)
     budget = step(scheduler).budget
     assert (budget.reason, budget.step_target_ms, budget.prefill_tokens) == ("backlog", pytest.approx(300.0), 18)
-    assert budget.typical_decodes == pytest.approx(2.0)
+    assert budget.typical_decodes == pytest.approx(2.0) and budget.drain_bound_ms == pytest.approx(300.0)
 
     overloaded = budget_scheduler(ttft_target_ms=10_000, max_drain_step_factor=2.5, demand_window_s=1.0)
     with_two_decodes(overloaded)
@@ -489,6 +489,7 @@ def test_a_drain_is_bounded_at_a_multiple_of_the_typical_decodes_step_unless_the
     assert output.budget.reason == "backlog" and output.budget.demand_tokens_per_s > 1000
     assert (output.budget.step_target_ms, output.budget.prefill_tokens) == (pytest.approx(990.0), 87)
     assert output.budget.ttft_met == 19
+    assert output.budget.drain_bound_ms == pytest.approx(2660.0)  # the whole budget: 0.1 s + 256 x 0.01 s
     with pytest.raises(ValueError, match="max_drain_step_factor"):
         SchedulerConfig(policy="slo", max_drain_step_factor=0.5)
 

@@ -31,9 +31,8 @@ carries decodes:
   (or paced). Otherwise the queue is a backlog (some first token is late, or about to be, at the cap) and
   the step takes the smallest chunk with which every queued first token is predicted within BACKLOG_SHARE
   of its target, up to X·T (or the whole token budget, if that is less; never slower than the arrivals,
-  so under an overload the whole budget, as fcfs), but at most D x the typical decodes' own step (D:
-  `max_drain_step_factor`; not under an overload, where no chunk keeps pace with the arrivals, and never
-  below the capped step). If no chunk up to that bound gets the queue on time,
+  so under an overload the whole budget, as fcfs), with X·T itself at most D x the typical decodes' own
+  step (D: `max_drain_step_factor`). If no chunk up to that bound gets the queue on time,
   FUTILE_DRAIN_FACTOR x the capped step (never slower than the arrivals), unless another chunk up to the
   bound gets more first tokens within their targets (then the smallest such chunk, `most_on_time`): the
   bound's excursion is paid only where it saves one. A small backlog so costs a small excursion. The
@@ -141,6 +140,7 @@ class BudgetDecision:
     demand_tokens_per_s: float = 0.0  # prompt tokens arriving per second (titan.engine.prefill_demand)
     paced_step_ms: float | None = None  # the one duration paced steps take (None: no pacing this step)
     typical_decodes: float = 0.0  # decodes in a typical recent step, which the paced duration is sized at
+    drain_bound_ms: float | None = None  # a backlog drain's widest step this time (None: not a drain)
 
     @property
     def target_seconds(self) -> float | None:
@@ -226,12 +226,13 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     # excursion rather than the bound's. The arrivals themselves, without pacing's headroom: with it, one long
     # prompt in the window read as an overload and a drain step took the whole budget (~1 s).
     keeping_up = paced_chunk(cost_model, decodes, token_budget, demand, demand_start)
-    widest = min(max(max_excursion * itl_target, cap_target, step_of(keeping_up)), step_of(token_budget))
-    if max_drain_factor and keeping_up < token_budget:
-        # Within pacing's reach of the typical step, not the excursion bound's: the decodes' gaps stay near
-        # their usual one while a backlog drains. An overload (the arrivals outrun every chunk) is not bounded:
-        # steps that small there gave up 14-29 % of fcfs's output tok/s.
-        widest = max(min(widest, max_drain_factor * cost_model.predict(typical)), cap_target)
+    excursion = max_excursion * itl_target
+    if max_drain_factor:
+        # The excursion stays within pacing's reach of the typical step, so the decodes' gaps stay near their
+        # usual one while a backlog drains; keeping pace with the arrivals is not bounded by it (without that,
+        # an overload of decodes kept the batch narrow and gave up 27 % of fcfs's output tok/s, served).
+        excursion = min(excursion, max_drain_factor * cost_model.predict(typical))
+    widest = min(max(excursion, cap_target, step_of(keeping_up)), step_of(token_budget))
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(forecast, floor, widest_tokens, step_of)
     if tokens is None:
@@ -242,7 +243,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
                           forecast.met(tokens, step_of(tokens)), itl_cost, demand, paced_ms,
-                          typical.num_sequences)
+                          typical.num_sequences, widest * ms)
 
 
 def most_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable[[int], float],
