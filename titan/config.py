@@ -159,10 +159,10 @@ class SchedulerConfig:
     auto unless given: AUTO_ITL_FACTOR x the step's decodes alone), and within a priority level the
     prefill with the earliest deadline (arrival + AUTO_TTFT_FACTOR x the predicted prefill alone of what
     it computes: its auto TTFT target) goes first. Under a backlog (at the cap some queued request would
-    miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target, and at most
-    `max_drain_step_factor` x the typical decodes' own step unless the arrivals outrun whole-budget steps,
-    until the queue is on time again with half its targets to spare (titan.engine.prefill_budget states the
-    rule); the cap widens
+    miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target, but not past
+    `max_drain_step_factor` x the typical decodes' own step, or as far as keeping pace with the arrivals
+    takes, until the queue is on time again with half its targets to spare (titan.engine.prefill_budget
+    states the rule); the cap widens
     to keep pace with the prompt tokens arriving over `prefill_demand_window_s` (titan.engine.prefill_demand).
     """
 
@@ -185,9 +185,8 @@ class SchedulerConfig:
         10.0, "under a backlog (at the ITL cap a queued request would miss its TTFT target) the slo policy "
              "lets steps run to this many times their ITL target until the queue is on time again (1: never)")
     max_drain_step_factor: float = option(
-        2.0, "slo: a backlog drain's step beside decodes is at most this many times the typical recent decodes' "
-             "own step, unless even whole-budget steps fall behind the arriving prompts (an overload, drained at "
-             "the whole budget as fcfs would; 0: no such bound)")
+        2.0, "slo: a backlog drain's excursion (--max-itl-excursion) is at most this many times the typical recent "
+             "decodes' own step; keeping pace with the arriving prompts is not bounded by it (0: no such bound)")
     prefill_demand_window_s: float = option(
         10.0, "the slo cap keeps pace with the prompt tokens that arrived over this many seconds, so steady "
               "traffic never builds a backlog (0: the ITL target alone sizes the cap)")

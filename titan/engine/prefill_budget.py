@@ -109,17 +109,19 @@ MAX_PACED_FACTOR = 2.0
 # storm@0.7 4 % lower on the Xeon's law, storm@1.5 9 % lower on the EPYC's, still >= fcfs in the same draws.
 # 2.5 kept more of the goodput but left the storm max at 4.5x on the Xeon's law (2 draws of 12).
 FUTILE_DRAIN_FACTOR = 1.5
-# A drain is bounded at `max_drain_step_factor` (default 2, pacing's own bound, MAX_PACED_FACTOR) x the typical
-# decodes' own step unless the arrivals outrun whole-budget steps: X·T alone (10 x 1.5 x the step's decodes) let
-# a drain run to ~15 decode-only steps, and wherever the queue turned into a backlog those steps were the
-# token-gap tail. Replayed in stop 52 over 40 fresh draws per cell (seeds 200+, noise 0.15, correlation 0.5)
-# with three machines' laws (an AMX Xeon's, the AVX2 EPYC's, Zen 4's), against no such bound: steady@0.7's ITL
-# rule passed in 23 / 30 / 32 draws instead of 10 / 10 / 4, storm@0.7's in 35 / 20 / 27 instead of 20 / 16 / 16
-# and its max rule in 38 / 32 / 32 instead of 19 / 27 / 26; goodput rose in every steady, storm and shared cell
-# but Zen 4's steady@0.7 (-1 %); burst cells are batches and did not move. The price is output tok/s in the
-# 1.5x cells, 0.91-0.96x fcfs's instead of 0.95-0.99x, and the storm@1.5 max rule on the Xeon's law (25 -> 7
-# draws). 2.5 met steady@0.7 in 11 / 22 / 16. Bounded in an overload too, the 1.5x ITL rules passed in 4-11
-# draws of 12 instead of none, but at 0.71-0.86x fcfs's output tok/s there: not kept.
+# A drain's excursion bound is at most `max_drain_step_factor` (default 2, pacing's own bound, MAX_PACED_FACTOR)
+# x the typical decodes' own step: X·T alone (10 x 1.5 x the step's decodes) let a drain run to ~15 decode-only
+# steps, and wherever the queue turned into a backlog those steps were the token-gap tail. Keeping pace with the
+# arrivals is not bounded by it. Replayed in stop 52 over 40 fresh draws per cell (seeds 200+, noise 0.15,
+# correlation 0.5) with three machines' laws (an AMX Xeon's, the AVX2 EPYC's, Zen 4's), against no such bound:
+# steady@0.7's ITL rule passed in 15 / 14 / 5 draws instead of 10 / 10 / 4, storm@0.7's in 26 / 18 / 14 instead
+# of 20 / 16 / 16 and its max rule in 33 / 31 / 30 instead of 19 / 27 / 26; goodput rose in every steady, storm
+# and shared cell at 0.7x, output tok/s stayed level everywhere, TTFT P99 at 0.7x rose 0-15 % (shared@0.7 on
+# the Xeon's law 52 %). Bounding the arrivals' pace as well (unless even whole-budget steps fell behind
+# them) doubled those ITL passes in replay, but served on steady@1.5, an overload of decodes that prefill keeps
+# pace with, it held the batch at 12 decodes (steps ~2x those decodes' 45 ms) while 50 requests waited: 0.73x
+# fcfs's output tok/s, TTFT P99 21 s against 2.5 s. Bounding every overload step passed both 1.5x ITL rules in
+# 4-11 draws of 12 instead of none, at 0.71-0.86x fcfs's output tok/s there.
 # Chunk sizes a drain that gets no queue on time compares grow by this factor (most_on_time).
 SEARCH_GROWTH = 1.25
 
