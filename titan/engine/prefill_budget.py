@@ -171,7 +171,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     (titan.engine.prefill_demand.TypicalDecodes), which pacing sizes its step duration at (default: these);
     `demand_start`: the position the arriving prompt tokens typically start at (their prefix-cache hits);
     `batch`: the queue holds an arrival batch (titan.engine.prefill_demand.ArrivalBatches), drained as one;
-    `max_drain_factor`: a drain step's bound as a multiple of the typical decodes' own step (0: none).
+    `max_drain_factor`: the bound on a drain's excursion as a multiple of the typical decodes' own step (0: none).
     The queue's tokens are priced at the position they start at on average (`queued_start`)."""
     position = queued_start(queue)
     forecast = QueueForecast(queue, decode_growth(cost_model, queue))
