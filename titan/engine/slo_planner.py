@@ -201,8 +201,10 @@ class SloPlanner:
     def _idle_step_bound(self, model: StepCostModel) -> float | None:
         """A step with nobody mid-stream has no token gap to protect, but a request arriving while it runs
         waits for it: a long prompt's whole-budget chunk (~1 s here) makes a short prompt that arrives just
-        after it late before it is even scheduled. Such a step is bounded as a backlog drain at the typical
-        decodes is (None: no decodes seen yet, or no excursions allowed)."""
+        after it late before it is even scheduled. Such a step is bounded at the excursion bound of the typical
+        decodes, `max_itl_excursion` x their ITL target (None: no decodes seen yet, or no excursions allowed);
+        not at the drain bound (`max_drain_step_factor`), which protects the gaps of streams decoding beside a
+        drain: with none here, it would only slow a lone prompt."""
         typical = self.typical_decodes.shape
         if typical is None or self.config.max_itl_excursion <= 1.0:
             return None
