@@ -241,6 +241,26 @@ def pass_counts_by_load(draws: list[dict[str, Any]]) -> dict[str, dict[str, tupl
     return counts
 
 
+def cell_summaries(draws: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per cell, over the draws: each policy's TTFT P50 / P99 (medians of the draws' values, ms), its good
+    requests (summed) and slo's output tok/s over fcfs's (summed over the draws). A change that moves pass
+    counts can move these the wrong way: stop 52's first drain bound doubled the 0.7x ITL passes while its
+    steady@1.5 TTFT P50 went from 2.5 to 8.9 s, a trap the served run then showed."""
+    summaries: dict[str, dict[str, Any]] = {}
+    for key in draws[0]["cells"] if draws else []:
+        cells = [draw["cells"][key] for draw in draws]
+        summary: dict[str, Any] = {
+            "output_tok_s_vs_fcfs": sum(c["candidate"]["output_tok_s"] for c in cells)
+            / max(sum(c["fcfs"]["output_tok_s"] for c in cells), 1e-9)}
+        for name in ("candidate", "fcfs"):
+            summary[name] = {
+                "ttft_p50_ms": statistics.median(c[name]["ttft_ms"]["p50"] for c in cells),
+                "ttft_p99_ms": statistics.median(c[name]["ttft_ms"]["p99"] for c in cells),
+                "good": sum(c[name]["good"] for c in cells)}
+        summaries[key] = summary
+    return summaries
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default=",".join(PRESETS))
@@ -302,12 +322,19 @@ def main() -> None:
     print(f"\nBy the draw's busiest {BUSIEST_WINDOW_S:g} s (work arriving / work served, closed loop):")
     for name, counts in by_load.items():
         print(f"  {name:48s} " + "   ".join(f"{side}: {passed}/{total}" for side, (passed, total) in counts.items()))
+    summaries = cell_summaries(draws)
+    print("\nPer cell over the draws: TTFT P50 / P99 (median ms), good requests (sum), output tok/s vs fcfs:")
+    for key, summary in summaries.items():
+        slo_cell, fcfs_cell = summary["candidate"], summary["fcfs"]
+        print(f"  {key:11s} slo {slo_cell['ttft_p50_ms']:6.0f} / {slo_cell['ttft_p99_ms']:6.0f}  "
+              f"fcfs {fcfs_cell['ttft_p50_ms']:6.0f} / {fcfs_cell['ttft_p99_ms']:6.0f}  "
+              f"good {slo_cell['good']} vs {fcfs_cell['good']}  tok/s {summary['output_tok_s_vs_fcfs']:.2f}x")
     write_result(args.output, {
         "cpu": cpu_description(), "cost_law_ms": law, "noise": args.noise,
         "noise_correlation": args.noise_correlation, "seeds": args.seeds,
         "burst_interval_s": BURST_INTERVAL, "calibration": calibration.__dict__, "slo": slo_text,
         "pass_counts": {name: sum(results) for name, results in passes.items()}, "pass_counts_by_load": by_load,
-        "busiest_window_s": BUSIEST_WINDOW_S, "draws": draws,
+        "busiest_window_s": BUSIEST_WINDOW_S, "cells": summaries, "draws": draws,
         "seconds": time.perf_counter() - started})
 
 

@@ -44,6 +44,15 @@ def test_a_replay_serves_every_request_under_both_policies_and_repeats_exactly(t
         assert sum(passed for passed, _ in sides.values()) == first["pass_counts"][name]
     for draw in first["draws"]:
         assert all(cell["busiest_load"] > 0 for cell in draw["cells"].values())
+    # Each cell's TTFT, goodput and throughput over the draws sit beside the pass counts.
+    assert set(first["cells"]) == {"burst@0.7", "storm@0.7"}
+    for key, summary in first["cells"].items():
+        for name in ("candidate", "fcfs"):
+            assert summary[name]["good"] == sum(draw["cells"][key][name]["good"] for draw in first["draws"])
+            assert 0 < summary[name]["ttft_p50_ms"] <= summary[name]["ttft_p99_ms"]
+        tok_s = [sum(draw["cells"][key][name]["output_tok_s"] for draw in first["draws"])
+                 for name in ("candidate", "fcfs")]
+        assert summary["output_tok_s_vs_fcfs"] == pytest.approx(tok_s[0] / tok_s[1])
     # No wall clock anywhere: the same command gives the same numbers.
     assert replay(tmp_path / "second.json")["draws"] == first["draws"]
 
