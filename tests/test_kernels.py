@@ -374,3 +374,33 @@ def test_products_do_not_depend_on_the_thread_count() -> None:
         torch.set_num_threads(before)
     for threads in (2, 4):
         assert all(torch.equal(a, b) for a, b in zip(results[1], results[threads], strict=True)), threads
+
+
+@pytest.mark.parametrize("kind", INT_ACTIVATION_TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "interleaved"])
+def test_opt_in_bf32_wide_products(kind: Q, interleaved: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TITAN_WIDE_BF32=1: steps of WIDE_BF32_MIN_ROWS+ rows multiply the same rounded activations in oneDNN's bf32
+    mode (bfloat16 products, float32 sums and output), within bf16's rounding of the exact product; narrower
+    steps keep the integer kernel's bits, and the process-wide matmul precision is left as it was."""
+    if NATIVE is None:
+        pytest.skip("native kernels could not be built")
+    cols = 768
+    raw = random_blocks(kind, 72, cols, seed=400 + int(kind))
+    weight = laid_out(quantized(raw, kind, cols), interleaved, NATIVE.get_isa())
+    dense = reference(raw, kind).double()
+    x = torch.randn(ops.WIDE_BF32_MIN_ROWS, cols, generator=torch.Generator().manual_seed(11)) * 3
+    exact = fallback.round_activations(x).double() @ dense.T
+    integer = ops.quantized_linear(x, weight)
+    precision = torch.backends.mkldnn.matmul.fp32_precision
+    monkeypatch.setattr(ops, "wide_bf32", lambda: True)
+    wide = ops.quantized_linear(x, weight)
+    assert torch.backends.mkldnn.matmul.fp32_precision == precision
+    assert relative_error(integer, exact) < NARROW_BOUND
+    assert relative_error(wide, exact) < BF16_BOUND
+    if FEATURES & {"amx-bf16", "avx512bf16"}:  # elsewhere oneDNN multiplies in float32
+        assert not torch.equal(wide, integer)
+    narrow = x[: ops.WIDE_BF32_MIN_ROWS - 1]
+    monkeypatch.setattr(ops, "wide_bf32", lambda: False)
+    before = ops.quantized_linear(narrow, weight)
+    monkeypatch.setattr(ops, "wide_bf32", lambda: True)
+    assert torch.equal(ops.quantized_linear(narrow, weight), before)

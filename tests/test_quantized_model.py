@@ -12,7 +12,7 @@ from titan.engine.model_runner import ModelRunner
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from titan.entrypoints.llm import LLM
-from titan.kernels import QuantizedTensor, native
+from titan.kernels import QuantizedTensor, native, ops
 from titan.loader import load_model_files
 from titan.tokenizer import Tokenizer
 
@@ -141,6 +141,25 @@ def test_teacher_forced_top1_agreement(runners: tuple[ModelRunner, ModelRunner, 
     print(f"teacher-forced top-1 agreement: {agree}/{total} = {agree / total:.4f}")  # shown with -s
     assert total >= 1000
     assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+def test_opt_in_bf32_wide_steps_top1_agreement(runners: tuple[ModelRunner, ModelRunner, Tokenizer],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """TITAN_WIDE_BF32=1: steps of 256 rows multiply in oneDNN's bf32 mode (bfloat16 products, float32 sums and
+    output; AMX where the CPU has it), and still agree with the float32 model position for position."""
+    quantized, reference, tokenizer = runners
+    tokens = tokenizer.encode(" ".join(TEXTS))[:1024]
+    chunks = [256] * (-(-len(tokens) // 256))
+    assert len(tokens) >= 768 and 256 >= ops.WIDE_BF32_MIN_ROWS
+    default = teacher_forced_logits(quantized, tokens[:256], [256])
+    monkeypatch.setattr(ops, "wide_bf32", lambda: True)
+    if native() is not None and {"amx-bf16", "avx512bf16"} & set(native().cpu_features()):
+        assert not torch.equal(teacher_forced_logits(quantized, tokens[:256], [256]), default)  # the path ran
+    got = teacher_forced_logits(quantized, tokens, chunks).argmax(-1)
+    expected = teacher_forced_logits(reference, tokens, chunks).argmax(-1)
+    agree = int((got == expected).sum())
+    print(f"bf32 wide steps teacher-forced top-1 agreement: {agree}/{len(tokens)}")  # -s shows it
+    assert agree / len(tokens) >= 0.99, f"top-1 agreement {agree}/{len(tokens)}"
 
 
 def test_float16_kv_cache_top1_agreement(runners: tuple[ModelRunner, ModelRunner, Tokenizer]) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan.kernels import ops
 from titan.kernels.build import native
 from titan.kernels.ops import FUSED_MAX_ROWS
 from titan.model.attention import AttentionMetadata
@@ -94,6 +95,8 @@ class NativeDecoderStack:
         """A step whose rows are all one native attention run (decode and short-chunk rows only)."""
         if hidden.shape[0] > self.max_rows or metadata.prefills or len(metadata.native_runs) != 1:
             return False
+        if hidden.shape[0] >= ops.WIDE_BF32_MIN_ROWS and ops.wide_bf32():
+            return False  # the layer-by-layer path multiplies such steps on the AMX tiles (titan.kernels.ops)
         run = metadata.native_runs[0]
         return run.row_start == 0 and run.row_end == hidden.shape[0] and hidden.dtype == torch.float32
 
