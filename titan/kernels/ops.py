@@ -51,7 +51,8 @@ def wide_bf32() -> bool:
 
 @contextlib.contextmanager
 def _bf32_matmul() -> Iterator[None]:
-    """float32 matmuls inside compute as oneDNN's bf32; the process-wide setting is restored after."""
+    """float32 matmuls inside compute as oneDNN's bf32; the process-wide setting is restored after (while it
+    holds, a float32 matmul on another thread computes in bf32 too: the semantic cache's embedder)."""
     matmul = torch.backends.mkldnn.matmul
     previous = matmul.fp32_precision
     matmul.fp32_precision = "bf16"
@@ -139,8 +140,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
-    # Interleaved weights take the integer kernel at every width: it beat dequantized float32 tiles into
-    # a GEMM from 1 to 512 rows (512: 477 vs 709 ms for all layers, 2 threads, avx512vnni).
+    # Interleaved weights take the integer kernel at every width (unless TITAN_WIDE_BF32, above): it beat
+    # dequantized float32 tiles into a float32 GEMM from 1 to 512 rows (512: 477 vs 709 ms for all layers, 2
+    # threads, avx512vnni).
     tile = max(16, TILE_FLOATS // weight.cols)
     if rows >= WIDE_BF32_MIN_ROWS and wide_bf32():
         with _bf32_matmul():
