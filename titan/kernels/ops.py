@@ -27,13 +27,13 @@ WIDE_BF16_ENV = "TITAN_WIDE_BF16"
 # Opt-in (TITAN_WIDE_BF32=1): steps of at least WIDE_BF32_MIN_ROWS rows multiply dequantized weight tiles in
 # oneDNN's bf32 mode (bfloat16 products, on the AMX tiles where the CPU has them; float32 sums and output)
 # instead of the integer kernel. The activations are rounded to the same integer grid first
-# (TITAN_ACTIVATION_BITS), then each to bfloat16 (a relative error of at most 2^-8). On an AMX Xeon, one
-# prompt of random tokens, 1 / 2 threads: 256 tokens 292 / 178 ms against 405 / 269, 512 tokens 645 / 333
-# against 862 / 565, 128 tokens 177 / 124 against 199 / 138, 96 the same. Top-1 agreement with the float32
-# model: 1,021 of 1,024 positions, the integer kernels' 1,024. Not the default: a row's numbers would depend
-# on the width of the step it rides in, which the integer kernels never let happen (tests/test_kernels.py).
-# Without AMX or AVX512-BF16 oneDNN computes such a GEMM in float32.
-WIDE_BF32_MIN_ROWS = 128
+# (TITAN_ACTIVATION_BITS), then each to bfloat16 (a relative error of at most 2^-8). Side by side on an AMX
+# Xeon (benchmarks/wide_bf32.py), prompts of random tokens, against the integer kernel: 1 thread 1.15x at
+# 128 tokens, 1.33x at 256, 1.27x at 512; 2 threads 0.85x at 128, 1.02x at 192, 1.20x at 256, 1.27x at 512.
+# Top-1 agreement with the float32 model: 1,021 of 1,024 positions, the integer kernels' 1,024. Not the
+# default: a row's numbers would depend on the width of the step it rides in, which the integer kernels
+# never let happen (tests/test_kernels.py). Without AMX or AVX512-BF16 oneDNN computes it in float32.
+WIDE_BF32_MIN_ROWS = 192
 WIDE_BF32_ENV = "TITAN_WIDE_BF32"
 # 0 keeps Q4_0 / Q4_1 / Q8_0 weights in their row layout (the row kernels run): for A/B measurements.
 INTERLEAVE_ENV = "TITAN_INTERLEAVE"
