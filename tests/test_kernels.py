@@ -16,6 +16,7 @@ Error bounds (max |y - y_ref| / max |y_ref|, y_ref = x @ dequantize(w).T in floa
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -190,8 +191,10 @@ def test_interleaved_rows_do_not_depend_on_width_or_isa(kind: Q, bits: int,
     one or several packing chunks, a chunk's tail) and whichever ISA runs them: AVX-512 pairs two row
     groups per 512-bit register (here 9 groups: four pairs and a lone one, which takes the 256-bit
     kernel), AVX2 runs each group alone, and both do the same operations per output lane; 8-bit
-    activations take vpdpbusd with VNNI and maddubs without, the same exact integer sums. A greedy
-    output or a speculative verification cannot depend on what else is in the batch."""
+    activations take vpdpbusd with VNNI and maddubs without, the same exact integer sums. Which steps pair
+    groups (`set_wide_rows`: every step on Intel, from 16 rows elsewhere) changes nothing either: every width is
+    checked with pairing from 1 row, from the CPU's default and never. A greedy output or a speculative
+    verification cannot depend on what else is in the batch."""
     isas = RUNNABLE_VECTOR_ISAS
     if not isas:
         pytest.skip("no AVX2 / AVX-512 on this CPU")
@@ -199,20 +202,47 @@ def test_interleaved_rows_do_not_depend_on_width_or_isa(kind: Q, bits: int,
     cols = 768
     raw = random_blocks(kind, 72, cols, seed=300 + int(kind))
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(9)) * 3
+    first = None
     try:
-        for isa in isas:
+        for isa, wide_rows in itertools.product(isas, (1, 0, 1 << 30)):
             assert NATIVE.set_isa(isa) == isa
+            NATIVE.set_wide_rows(wide_rows)
             weight = laid_out(quantized(raw, kind, cols), True, isa)
             whole = ops.quantized_linear(x, weight)
-            if isa == isas[0]:
-                first = whole
-            assert torch.equal(whole, first), isa
-            for rows in (1, 2, 5, 8, 9, 13, 17):
+            first = whole if first is None else first
+            assert torch.equal(whole, first), (isa, wide_rows)
+            for rows in (1, 2, 3, 5, 8, 9, 13, 17):
                 for start in (0, 3):
                     assert torch.equal(ops.quantized_linear(x[start:start + rows], weight),
-                                       whole[start:start + rows]), (isa, rows, start)
+                                       whole[start:start + rows]), (isa, wide_rows, rows, start)
     finally:
         NATIVE.set_isa("auto")
+        NATIVE.set_wide_rows(0)
+
+
+def _cpu_vendor() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((line.split(":")[1].strip() for line in cpuinfo if line.startswith("vendor_id")), "")
+
+
+@NEEDS_NATIVE
+def test_wide_rows_default_follows_the_cpu_and_the_env_var() -> None:
+    """Intel CPUs pair row groups at every width, others (Zen 4: a 512-bit op costs two 256-bit ones) from 16;
+    TITAN_WIDE_ROWS overrides it, and a bad value is refused rather than silently ignored."""
+    expected = 1 if _cpu_vendor() == "GenuineIntel" else 16
+    assert NATIVE.set_wide_rows(0) == expected == NATIVE.get_wide_rows()
+    with pytest.raises(RuntimeError, match="wide rows"):
+        NATIVE.set_wide_rows(-1)
+    script = "from titan.kernels import native; print(native().get_wide_rows())"
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "TITAN_WIDE_ROWS": value}
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+    assert run("7").stdout.strip() == "7"
+    assert run("auto").stdout.strip() == str(expected)
+    refused = run("wide")
+    assert refused.returncode != 0 and "TITAN_WIDE_ROWS" in refused.stderr
 
 
 @pytest.mark.parametrize("kind", SUPPORTED_TYPES, ids=lambda k: k.name)

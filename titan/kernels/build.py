@@ -44,6 +44,22 @@ def activation_bits() -> int:
     return int(value)
 
 
+# Interleaved products of at least this many rows take the 512-bit kernel that pairs row groups (AVX-512
+# only): "auto" (default) is this CPU's measured best (csrc/binding.cpp: default_wide_rows), a number
+# overrides it (benchmarks/wide_rows.py measures both kernels on this CPU). Only speed depends on it.
+WIDE_ROWS_ENV = "TITAN_WIDE_ROWS"
+
+
+def wide_rows() -> int:
+    """TITAN_WIDE_ROWS as set_wide_rows takes it: 0 for auto, else the positive row count."""
+    value = os.environ.get(WIDE_ROWS_ENV, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return 0
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{WIDE_ROWS_ENV} must be auto or a positive row count, not {value!r}")
+    return int(value)
+
+
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
@@ -132,13 +148,15 @@ def native() -> ModuleType | None:
         requested = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
         if requested not in ISA_CHOICES:
             raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_CHOICES)}, not {requested!r}")
+        bits, rows = activation_bits(), wide_rows()  # a bad setting is an error, not a silent fallback
         if requested == "torch":
             _error = f"{ISA_ENV}=torch"
         else:
             try:
                 module = _compile()
                 module.set_isa(requested)
-                module.set_activation_bits(activation_bits())
+                module.set_activation_bits(bits)
+                module.set_wide_rows(rows)
                 _module = module
             except Exception as exc:  # any build failure means: fall back, say why
                 _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

@@ -106,6 +106,26 @@ int set_activation_bits(int64_t bits) {
     return g_activation_bits;
 }
 
+// Steps of at least this many rows multiply interleaved weights two row groups at a time in 512-bit
+// registers (kernels_x8.inc); narrower ones one group at a time in 256-bit registers. Both do the same
+// operations per output lane, so only the speed depends on it. Where a 512-bit multiply-add costs two
+// 256-bit ones (Zen 4) the 256-bit kernel was faster below 16 rows (2 rows 6.1 vs 7.7 ms, 8 rows 15.4 vs
+// 17.5, whole decoder stack, 2 threads); on an Intel Xeon with AVX-512 VNNI the 512-bit one was faster at
+// every width (all the model's products 1.11x at 1 row, 1.11-1.25x at 2-3; decode steps of 1-24 sequences
+// 1.1-1.4x, benchmarks/wide_rows.py). 0 in set_wide_rows: this CPU's default; TITAN_WIDE_ROWS sets it
+// (titan/kernels/build.py).
+int64_t default_wide_rows() { return __builtin_cpu_is("intel") ? 1 : 16; }
+
+int64_t g_wide_rows = default_wide_rows();
+
+int64_t set_wide_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 0, "wide rows must be 0 (this CPU's default) or positive");
+    g_wide_rows = rows == 0 ? default_wide_rows() : rows;
+    return g_wide_rows;
+}
+
+int64_t get_wide_rows() { return g_wide_rows; }
+
 bool rounds_activations(int64_t type) {
     return g_activation_bits != 0 && (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0);
 }
@@ -203,7 +223,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
         const float* ps = pack ? xs.data() : xr.s.data();
         const int64_t groups = N / 8, threads = std::max<int64_t>(1, at::get_num_threads());
         parallel_chunks(groups, std::max<int64_t>(1, groups / (threads * 8)), [&](int64_t g0, int64_t g1) {
-            t.gemv_x8((int32_t)type, bits, wp, row_bytes, K, pw, pd, ps, M, yp, N, g0, g1);
+            t.gemv_x8((int32_t)type, bits, wp, row_bytes, K, pw, pd, ps, M, yp, N, g0, g1, g_wide_rows);
         });
         return y;
     }
@@ -303,6 +323,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("K"), py::arg("tile_rows"), py::arg("use_bf16"), py::arg("interleaved") = false, no_gil);
     m.def("interleave", &interleave, "Q4_0 / Q4_1 / Q8_0 rows interleaved by 8 for the narrow-step kernels");
     m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
+    m.def("set_wide_rows", &set_wide_rows,
+          "interleaved products of this many rows or more take the 512-bit two-group kernel (0: this CPU's default)");
+    m.def("get_wide_rows", &get_wide_rows, "rows from which interleaved products take the 512-bit two-group kernel");
     m.def("set_activation_bits", &set_activation_bits,
           "Q4_0/Q4_1/Q8_0 weights: round activations per block to 16- or 8-bit integers (0: float32)");
     m.def("round_activations", &round_activations, "float32 [M, K] rounded per block of 32 as those weights see it");

@@ -31,7 +31,8 @@ struct KernelTable {
     // 8 g0 .. 8 g1); the activations packed by x8_pack (16 bits) or x8_pack_bytes (8) in chunks of x8_rows.
     // nullptr on the generic ISA.
     void (*gemv_x8)(int32_t type, int bits, const uint8_t* w, int64_t row_bytes, int64_t K, const int32_t* xw,
-                    const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1);
+                    const float* xd, const float* xs, int64_t M, float* y, int64_t ldy, int64_t g0, int64_t g1,
+                    int64_t wide_rows);
     // out[(i - i0) * K ..] = row (rows ? rows[i] : i) of w dequantized, for i in [i0, i1).
     void (*dequant)(int32_t type, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows,
                     int64_t i0, int64_t i1, float* out);
