@@ -17,7 +17,13 @@ import torch
 
 from titan.kernels import native
 from titan.model.attention import build_attention_metadata, paged_attention
-from titan.model.native_attention import NATIVE_CHUNK_MAX_ROWS, plan_native_runs
+from titan.model.native_attention import (
+    NATIVE_CHUNK_CEILING,
+    NATIVE_CHUNK_MAX_PAIRS,
+    NATIVE_CHUNK_MAX_ROWS,
+    plan_native_runs,
+    takes_native,
+)
 
 NATIVE = native()
 NEEDS_NATIVE = pytest.mark.skipif(NATIVE is None, reason="native kernels could not be built")
@@ -224,11 +230,24 @@ def test_write_kv_matches_index_copy() -> None:
 # --- the model's attention: the native plan against the PyTorch path ------------------------------------------
 
 
+def test_short_chunks_with_short_contexts_take_the_kernel() -> None:
+    """Up to 16 rows always; up to 64 while rows x context stays within the pair budget (the kernel's
+    per-row attention over a long context costs more than SDPA's); longer chunks never."""
+    assert takes_native(NATIVE_CHUNK_MAX_ROWS, 5000)
+    assert takes_native(NATIVE_CHUNK_MAX_ROWS + 1, 0) and takes_native(NATIVE_CHUNK_CEILING, 0)
+    assert not takes_native(NATIVE_CHUNK_CEILING + 1, 0)
+    rows = 32
+    fits = NATIVE_CHUNK_MAX_PAIRS // rows - rows  # the last start position whose context keeps it native
+    assert takes_native(rows, fits) and not takes_native(rows, fits + 1)
+
+
 def test_plan_merges_verify_rows_and_leaves_long_chunks_to_sdpa() -> None:
     verify_table = [7, 8]
-    # Two decodes, three verify rows of one sequence (one-token rows on one table), a long chunk, a short one.
+    # Two decodes, three verify rows of one sequence (one-token rows on one table), a long chunk (its context
+    # too long for the kernel), a short one.
     lengths = [1, 1, 1, 1, 1, NATIVE_CHUNK_MAX_ROWS + 1, 4]
-    starts = [3, 9, 20, 21, 22, 0, 8]
+    starts = [3, 9, 20, 21, 22, 600, 8]
+    assert not takes_native(lengths[5], starts[5])
     tables = [[0], [1, 2], verify_table, verify_table, verify_table, [3, 4], [5, 6]]
     padded = torch.tensor([t + [0] * (2 - len(t)) for t in tables])
     runs, long_chunks = plan_native_runs(lengths, starts, tables, padded, 16)
@@ -249,13 +268,13 @@ def test_native_plan_matches_pytorch_path(isa_name: str, cache_dtype: torch.dtyp
     NATIVE.set_isa(isa_name)
     try:
         block_size, heads, kv_heads, head_dim = 4, 6, 2, 64
-        lengths = [1, 1, 1, 1, 5, 20, 3]
+        lengths = [1, 1, 1, 1, 5, NATIVE_CHUNK_CEILING + 1, 3]  # the 65-row chunk is SDPA's
         starts = [0, 30, 12, 13, 0, 9, 40]
-        tables = [[0], list(range(1, 9)), list(range(9, 13)), None, [13, 14], list(range(15, 23)),
-                  list(range(23, 34))]
+        tables = [[0], list(range(1, 9)), list(range(9, 13)), None, [13, 14], list(range(15, 34)),
+                  list(range(34, 45))]
         tables[3] = tables[2]
         generator = torch.Generator().manual_seed(0)
-        slots = 34 * block_size + 1
+        slots = 45 * block_size + 1
         history_k = torch.randn(slots, kv_heads, head_dim, generator=generator)
         history_v = torch.randn(slots, kv_heads, head_dim, generator=generator)
         total = sum(lengths)

@@ -17,6 +17,7 @@ from titan.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from titan.kernels import native
 from titan.kernels.quantize import quantize_state_dict
 from titan.loader import load_model_files
+from titan.model.native_attention import NATIVE_CHUNK_CEILING
 from titan.model.native_decoder import NativeDecoderStack
 
 pytestmark = pytest.mark.skipif(native() is None, reason="native kernels could not be built")
@@ -80,10 +81,12 @@ def compare_steps(pair: tuple[ModelRunner, ModelRunner], steps: list[list[Schedu
 
 
 def narrow_schedule(vocab: int, seed: int) -> tuple[list[list[ScheduledSequence]], int]:
-    """Three sequences: chunks of 1-16 rows, then decode steps of all three with a verify run of 4 rows;
-    returns the steps and how many of them are narrow (all but the long chunk that closes)."""
+    """Three sequences: chunks of 1-16 rows, decode steps of all three with a verify run of 4 rows, a
+    20-row chunk with a short context (titan.model.native_attention.takes_native); then a fourth sequence's
+    65-row chunk, which no native run takes. Returns the steps and how many of them are narrow (all but
+    that last one)."""
     rng = random.Random(seed)
-    texts = [[rng.randrange(vocab) for _ in range(60)] for _ in range(3)]
+    texts = [[rng.randrange(vocab) for _ in range(80)] for _ in range(4)]
     steps = [[step(0, texts[0], 0, 16)], [step(1, texts[1], 0, 7)], [step(2, texts[2], 0, 1)],
              [step(0, texts[0], 16, 3), step(1, texts[1], 7, 9)]]
     positions = [19, 16, 1]
@@ -92,7 +95,9 @@ def narrow_schedule(vocab: int, seed: int) -> tuple[list[list[ScheduledSequence]
                       step(2, texts[2], positions[2], 1)])
         positions = [positions[0] + 1, positions[1] + 4, positions[2] + 1]
     narrow = len(steps)
-    steps.append([step(2, texts[2], positions[2], 20)])  # 20 rows: wider than the stack takes
+    steps.append([step(2, texts[2], positions[2], 20)])  # 20 rows with a short context: the stack takes them
+    narrow = len(steps)
+    steps.append([step(3, texts[3], 0, NATIVE_CHUNK_CEILING + 1)])  # longer than any chunk the kernel takes
     return steps, narrow
 
 
@@ -105,7 +110,7 @@ def test_tiny_models_native_stack_equals_layer_path(architecture: str, quantizat
     calls = count_stack_calls(monkeypatch)
     steps, narrow = narrow_schedule(config.vocab_size, seed=5)
     compare_steps(runner_pair(config, weights), steps)
-    assert calls[0] == narrow  # every narrow step ran natively; the 20-row chunk did not
+    assert calls[0] == narrow  # every narrow step ran natively; the 65-row chunk did not
 
 
 def test_float16_kv_cache_native_stack_equals_layer_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,9 @@ Every step's tokens are flattened into one batch, decodes first (sequences with 
 token), then prefill chunks. `AttentionMetadata` is built once per step on the host and shared by
 all layers, so the layer loop itself never syncs with the device.
 
-On CPU float32 with the native kernels loaded, decode rows and chunks of up to `NATIVE_CHUNK_MAX_ROWS`
-rows go to the native paged attention kernel (see native_attention.py) and only longer chunks to SDPA.
+On CPU float32 with the native kernels loaded, decode rows and short chunks (`takes_native`: up to 16 rows,
+or up to 64 with a short context) go to the native paged attention kernel (see native_attention.py) and only
+longer chunks to SDPA.
 """
 
 from __future__ import annotations
