@@ -27,14 +27,15 @@ NATIVE_CHUNK_MAX_ROWS = 16
 NATIVE_CHUNK_MAX_PAIRS = 8192
 NATIVE_CHUNK_CEILING = 64
 
+# 0 turns the native kernel off (the PyTorch path runs, as without native kernels): for A/B measurements.
+NATIVE_ATTENTION_ENV = "TITAN_NATIVE_ATTENTION"
+
 
 def takes_native(num_rows: int, start: int) -> bool:
     """Whether a chunk of `num_rows` rows from position `start` goes to the native kernel."""
     if num_rows <= NATIVE_CHUNK_MAX_ROWS:
         return True
     return num_rows <= NATIVE_CHUNK_CEILING and num_rows * (start + num_rows) <= NATIVE_CHUNK_MAX_PAIRS
-# 0 turns the native kernel off (the PyTorch path runs, as without native kernels): for A/B measurements.
-NATIVE_ATTENTION_ENV = "TITAN_NATIVE_ATTENTION"
 
 
 @dataclass

@@ -114,7 +114,10 @@ int set_activation_bits(int64_t bits) {
 // every width (all the model's products 1.11x at 1 row, 1.11-1.25x at 2-3; decode steps of 1-24 sequences
 // 1.1-1.4x, benchmarks/wide_rows.py). 0 in set_wide_rows: this CPU's default; TITAN_WIDE_ROWS sets it
 // (titan/kernels/build.py).
-int64_t default_wide_rows() { return __builtin_cpu_is("intel") ? 1 : 16; }
+int64_t default_wide_rows() {
+    __builtin_cpu_init();  // g_wide_rows is set during static initialization, maybe before libgcc's own
+    return __builtin_cpu_is("intel") ? 1 : 16;
+}
 
 int64_t g_wide_rows = default_wide_rows();
 
