@@ -21,9 +21,10 @@ from titan.kernels.build import native
 # their context is too (NATIVE_CHUNK_MAX_PAIRS).
 NATIVE_CHUNK_MAX_ROWS = 16
 # A chunk of up to 64 rows whose rows x context (start + rows) is at most this also goes native: the whole
-# step then stays in the native decoder stack (titan.model.native_decoder), 1.10-1.19x faster for a lone
-# 17-64-row prompt and 1.09-1.13x for 256-512-token prompts in chunks of 24-32 (1 thread, AVX-512 VNNI
-# Xeon); at a context of ~750 the kernel's per-row attention costs more than SDPA's (chunks of 32: 0.88x).
+# step then stays in the native decoder stack (titan.model.native_decoder). benchmarks/native_chunks.py on
+# an AVX-512 VNNI Xeon, 1 thread: a lone 20 / 32 / 64-token prompt 1.21x / 1.14x / 1.07x faster, 256 tokens
+# in chunks of 24 / 32 1.17x / 1.12x; at a context of ~750 the kernel's per-row attention cost more than
+# SDPA's (chunks of 32 all native: 0.88x), which the budget keeps out.
 NATIVE_CHUNK_MAX_PAIRS = 8192
 NATIVE_CHUNK_CEILING = 64
 
