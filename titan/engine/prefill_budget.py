@@ -40,6 +40,11 @@ carries decodes:
   (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave the backlog's
   last requests right at their TTFT target, and the queue hovering there would switch between cap and
   drain step after step. Under a sustained overload the drain never ends, as fcfs never caps.
+* A drain's widest step is at most the full batch's step F (titan.engine.overload: `max_num_seqs` decodes
+  beside the prompt tokens that refill their slots, once a request has finished and the output length is
+  known), or the excursion bound if that is more: under an overload keeping pace with the arrivals asks for
+  the whole budget, and a step past the one the full batch settles into only splits the gaps into long and
+  short ones.
 
 A queue holding a batch (`batch_min_requests` or more requests that arrived together, within
 titan.engine.prefill_demand.BATCH_WINDOW_SECONDS of the first: a client fanning out, an eval job, a burst) is
@@ -143,6 +148,7 @@ class BudgetDecision:
     paced_step_ms: float | None = None  # the one duration paced steps take (None: no pacing this step)
     typical_decodes: float = 0.0  # decodes in a typical recent step, which the paced duration is sized at
     drain_bound_ms: float | None = None  # a backlog drain's widest step this time (None: not a drain)
+    full_batch_step_ms: float | None = None  # the full batch's step, which bounds a drain (None: not known yet)
 
     @property
     def target_seconds(self) -> float | None:
@@ -163,7 +169,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
                   queue: list[QueuedPrefill], fresh_decodes: int, max_excursion: float,
                   draining: bool = False, min_chunk: int = 1, demand: float = 0.0,
                   typical: StepShape | None = None, demand_start: int = 0,
-                  batch: bool = False, max_drain_factor: float = 0.0) -> BudgetDecision:
+                  batch: bool = False, max_drain_factor: float = 0.0, overload_step: float = 0.0) -> BudgetDecision:
     """The module docstring's rule for a step whose decodes have shape `decodes` and `token_budget` tokens
     left; `fresh_decodes` of them have had no gap over their ITL target yet; `draining`: the last step drained
     a backlog; `min_chunk`: prefill tokens a step computes even past the cap; `demand`: prompt tokens
@@ -171,7 +177,8 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     (titan.engine.prefill_demand.TypicalDecodes), which pacing sizes its step duration at (default: these);
     `demand_start`: the position the arriving prompt tokens typically start at (their prefix-cache hits);
     `batch`: the queue holds an arrival batch (titan.engine.prefill_demand.ArrivalBatches), drained as one;
-    `max_drain_factor`: the bound on a drain's excursion as a multiple of the typical decodes' own step (0: none).
+    `max_drain_factor`: the bound on a drain's excursion as a multiple of the typical decodes' own step (0: none);
+    `overload_step`: the full batch's step (titan.engine.overload), which an overload is held at (0: none).
     The queue's tokens are priced at the position they start at on average (`queued_start`)."""
     position = queued_start(queue)
     forecast = QueueForecast(queue, decode_growth(cost_model, queue))
@@ -235,6 +242,10 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
         # an overload of decodes kept the batch narrow and gave up 27 % of fcfs's output tok/s, served).
         excursion = min(excursion, max_drain_factor * cost_model.predict(typical))
     widest = min(max(excursion, cap_target, step_of(keeping_up)), step_of(token_budget))
+    if overload_step > 0:
+        # Under an overload no step keeps pace, and one past the full batch's own (titan.engine.overload) was
+        # the token-gap tail: 860 ms steps as the batch grew, against ~185-450 ms once it was full.
+        widest = min(widest, max(overload_step, excursion, cap_target))
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(forecast, floor, widest_tokens, step_of)
     if tokens is None:
@@ -245,7 +256,7 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
     itl_cost = fresh_decodes if bound > cap_target else 0
     return BudgetDecision(BACKLOG, bound * ms, itl_target * ms, first_target, tokens, len(queue), met_capped,
                           forecast.met(tokens, step_of(tokens)), itl_cost, demand, paced_ms,
-                          typical.num_sequences, widest * ms)
+                          typical.num_sequences, widest * ms, overload_step * ms if overload_step > 0 else None)
 
 
 def most_on_time(forecast: QueueForecast, low: int, high: int, step_of: Callable[[int], float],

@@ -90,6 +90,10 @@ class PrefillDemand:
         span = max(now - self._arrivals[0].time, MIN_SPAN_SHARE * self.window_seconds)
         return self._tokens / span
 
+    def mean_tokens(self) -> float:
+        """Tokens to compute per prompt, on average over those counted in `rate` (0 with none)."""
+        return self._tokens / len(self._arrivals) if self._arrivals else 0.0
+
     def start_position(self) -> int:
         """The position the tokens counted in `rate` start at, on average over them (weighted by their count):
         behind a hot system prompt they all attend to it, which makes each of them dearer."""

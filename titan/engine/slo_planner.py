@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 from titan.config import AUTO_TTFT_FACTOR, SchedulerConfig
 from titan.engine.block_manager import BlockManager
-from titan.engine.cost_model import StepCostModel, step_target_seconds
+from titan.engine.cost_model import StepCostModel, StepShape, step_target_seconds
+from titan.engine.overload import OutputLengths, full_batch_step
 from titan.engine.prefill_budget import (
     BACKLOG,
     BATCH,
@@ -55,6 +56,7 @@ class SloPlanner:
         self.demand = PrefillDemand(window) if window > 0 else None
         self.typical_decodes = TypicalDecodes()
         self.batches = ArrivalBatches()
+        self.output_lengths = OutputLengths()
 
     # ---- what the queue is made of ------------------------------------------------------------
     def arrived(self, seq: Sequence, now: float) -> None:
@@ -69,6 +71,7 @@ class SloPlanner:
 
     def finished(self, seq: Sequence) -> None:
         self.batches.forget(seq.seq_id)
+        self.output_lengths.record(seq.num_output_tokens)
 
     def idle(self) -> None:
         """Nothing is running: the next decodes start a new typical shape rather than average with old ones."""
@@ -177,7 +180,8 @@ class SloPlanner:
         demand_start = self.demand.start_position() if self.demand is not None else 0
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk, demand,
-                                 typical, demand_start, batch, config.max_drain_step_factor)
+                                 typical, demand_start, batch, config.max_drain_step_factor,
+                                 self._full_batch_step(model, typical, demand_start))
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
@@ -197,6 +201,15 @@ class SloPlanner:
         """Whether a prompt still to prefill arrived in a batch of `batch_min_requests` or more."""
         least = self.config.batch_min_requests
         return least > 0 and any(self.batches.size(seq.seq_id) >= least for seq in queue)
+
+    def _full_batch_step(self, model: StepCostModel, typical: StepShape, demand_start: int) -> float:
+        """The full batch's predicted step (titan.engine.overload), which an overload is held at; 0 before a
+        request has finished or while no arrivals are counted."""
+        mean_output = self.output_lengths.mean
+        if self.demand is None or mean_output is None:
+            return 0.0
+        return full_batch_step(model, typical, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                               self.demand.mean_tokens(), mean_output, demand_start)
 
     def _idle_step_bound(self, model: StepCostModel) -> float | None:
         """A step with nobody mid-stream has no token gap to protect, but a request arriving while it runs
