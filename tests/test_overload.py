@@ -32,6 +32,9 @@ def test_full_batch_step_is_the_full_width_beside_its_refill() -> None:
     assert OVERLOAD_REFILL_SHARE == 0.8
     assert full_batch_step(model, typical, 32, 256, 40, 20) == pytest.approx(0.93)
     assert full_batch_step(model, typical, 32, 256, 40, 2) == pytest.approx(2.66)
+    # A KV cache of 1,200 tokens holds 20 requests of 40 + 20 tokens: 20 decodes beside 0.8 x 20 x 2 = 32 tokens.
+    assert full_batch_step(model, typical, 32, 256, 40, 20, kv_cache_tokens=1200) == pytest.approx(0.62)
+    assert full_batch_step(model, typical, 32, 256, 40, 20, kv_cache_tokens=10) == pytest.approx(0.1 + 0.01 * 3)
     assert full_batch_step(model, StepShape(), 32, 256, 40, 20) == 0.0
     assert full_batch_step(model, typical, 32, 256, 40, 0) == 0.0
 

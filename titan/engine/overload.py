@@ -46,14 +46,19 @@ class OutputLengths:
 
 
 def full_batch_step(cost_model: StepCostModel, typical: StepShape, max_num_seqs: int, token_budget: int,
-                    prompt_tokens: float, output_tokens: float, prompt_start: int = 0) -> float:
-    """The predicted duration of a step of the full batch: `max_num_seqs` decodes, each attending to as much as
-    a `typical` decode does, beside the prompt tokens that refill their slots at OVERLOAD_REFILL_SHARE of the
-    rate they free (`prompt_tokens` computed, from `prompt_start`, per request of `output_tokens` output), within
+                    prompt_tokens: float, output_tokens: float, prompt_start: int = 0,
+                    kv_cache_tokens: int | None = None) -> float:
+    """The predicted duration of a step of the full batch: `max_num_seqs` decodes (or as many as a KV cache of
+    `kv_cache_tokens` holds, each request's prompt and output in it), each attending to as much as a `typical`
+    decode does, beside the prompt tokens that refill their slots at OVERLOAD_REFILL_SHARE of the rate they
+    free (`prompt_tokens` computed, from `prompt_start`, per request of `output_tokens` output), within
     `token_budget` tokens in all. 0 when nothing is known yet (no typical decodes or lengths)."""
     if typical.num_sequences <= 0 or prompt_tokens <= 0 or output_tokens <= 0:
         return 0.0
     width = min(max_num_seqs, token_budget)
+    if kv_cache_tokens is not None:
+        # A prefix-cache hit is shared and left out of `prompt_tokens`: what each request adds is its own part.
+        width = max(1, min(width, int(kv_cache_tokens // (prompt_tokens + output_tokens))))
     per_decode = typical.attention_pairs / typical.num_sequences
     decodes = StepShape(width, width, width * per_decode)
     refill = OVERLOAD_REFILL_SHARE * width * prompt_tokens / output_tokens

@@ -40,11 +40,11 @@ carries decodes:
   (DRAIN_EXIT_SHARE): stopping as soon as the cap looks just fast enough again would leave the backlog's
   last requests right at their TTFT target, and the queue hovering there would switch between cap and
   drain step after step. Under a sustained overload the drain never ends, as fcfs never caps.
-* A drain's widest step is at most the full batch's step F (titan.engine.overload: `max_num_seqs` decodes
-  beside the prompt tokens that refill their slots, once a request has finished and the output length is
-  known), or the excursion bound if that is more: under an overload keeping pace with the arrivals asks for
-  the whole budget, and a step past the one the full batch settles into only splits the gaps into long and
-  short ones.
+* A drain's widest step is at most the full batch's step F (titan.engine.overload: `max_num_seqs` decodes,
+  or as many as the KV cache holds, beside the prompt tokens that refill their slots, once a request has
+  finished and the output length is known), or the excursion bound if that is more: under an overload
+  keeping pace with the arrivals asks for the whole budget, and a step past the one the full batch settles
+  into only splits the gaps into long and short ones.
 
 A queue holding a batch (`batch_min_requests` or more requests that arrived together, within
 titan.engine.prefill_demand.BATCH_WINDOW_SECONDS of the first: a client fanning out, an eval job, a burst) is

@@ -203,13 +203,14 @@ class SloPlanner:
         return least > 0 and any(self.batches.size(seq.seq_id) >= least for seq in queue)
 
     def _full_batch_step(self, model: StepCostModel, typical: StepShape, demand_start: int) -> float:
-        """The full batch's predicted step (titan.engine.overload), which an overload is held at; 0 before a
-        request has finished or while no arrivals are counted."""
+        """The full batch's predicted step (titan.engine.overload), as wide as `max_num_seqs` or the KV cache
+        allows, which an overload is held at; 0 before a request has finished or while no arrivals are counted."""
         mean_output = self.output_lengths.mean
         if self.demand is None or mean_output is None:
             return 0.0
+        kv_cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         return full_batch_step(model, typical, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                               self.demand.mean_tokens(), mean_output, demand_start)
+                               self.demand.mean_tokens(), mean_output, demand_start, kv_cache_tokens)
 
     def _idle_step_bound(self, model: StepCostModel) -> float | None:
         """A step with nobody mid-stream has no token gap to protect, but a request arriving while it runs
