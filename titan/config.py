@@ -161,8 +161,9 @@ class SchedulerConfig:
     it computes: its auto TTFT target) goes first. Under a backlog (at the cap some queued request would
     miss `ttft_target_ms`) slo lets steps run to `max_itl_excursion` x that target, but not past
     `max_drain_step_factor` x the typical decodes' own step, or as far as keeping pace with the arrivals
-    takes, until the queue is on time again with half its targets to spare (titan.engine.prefill_budget
-    states the rule); the cap widens
+    takes but never past the full batch's step (`max_num_seqs` decodes and their slots' refill:
+    titan.engine.overload), until the queue is on time again with half its targets to spare
+    (titan.engine.prefill_budget states the rule); the cap widens
     to keep pace with the prompt tokens arriving over `prefill_demand_window_s` (titan.engine.prefill_demand).
     """
 

@@ -243,8 +243,9 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
         excursion = min(excursion, max_drain_factor * cost_model.predict(typical))
     widest = min(max(excursion, cap_target, step_of(keeping_up)), step_of(token_budget))
     if overload_step > 0:
-        # Under an overload no step keeps pace, and one past the full batch's own (titan.engine.overload) was
-        # the token-gap tail: 860 ms steps as the batch grew, against ~185-450 ms once it was full.
+        # No drain runs past the full batch's own step (titan.engine.overload): under an overload keeping pace
+        # asks for the whole budget, and those steps (860 ms while the batch grew, against ~185-450 ms once
+        # it was full) were the token-gap tail.
         widest = min(widest, max(overload_step, excursion, cap_target))
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(forecast, floor, widest_tokens, step_of)
