@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_scheduler_policies import fixed_cost_model, step
 
 from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
@@ -13,14 +14,7 @@ from titan.engine.prefill_budget import choose_budget
 from titan.engine.queue_forecast import QueuedPrefill
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
-from titan.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from titan.engine.sequence import Sequence
-
-
-def fixed_cost_model(per_step: float, per_token: float) -> StepCostModel:
-    model = StepCostModel()
-    model.weights = np.array([per_step, per_token, 0.0, 0.0])
-    return model
 
 
 def test_full_batch_step_is_the_full_width_beside_its_refill() -> None:
@@ -78,13 +72,6 @@ def test_an_overload_drain_is_held_at_the_full_batch_step() -> None:
     # The bound never goes below the drain's own excursion bound (2.5 x the decodes' 0.12 s) or the cap.
     low = choose_budget(*args, **options, overload_step=0.05)
     assert low.drain_bound_ms == pytest.approx(300.0)
-
-
-def step(scheduler: Scheduler) -> SchedulerOutput:
-    output = scheduler.schedule()
-    sampled = [s.seq_id for s in output.scheduled if s.sample]
-    scheduler.commit(output, RunnerOutput(sampled, [7] * len(sampled), [None] * len(sampled)))
-    return output
 
 
 def overloaded_scheduler(now: list[float], finish_one: bool) -> Scheduler:
