@@ -16,11 +16,13 @@ from titan.engine.cost_model import StepCostModel, StepShape, shape_of
 from titan.engine.prefill_budget import FUTILE_DRAIN_FACTOR, auto_ttft_seconds, choose_budget, most_on_time
 from titan.engine.prefill_demand import (
     BATCH_WINDOW_SECONDS,
+    CHANCE_CLUSTER_SHARE,
     MAX_TRACKED_ARRIVALS,
     ArrivalBatches,
     PrefillDemand,
     TypicalDecodes,
     paced_chunk,
+    poisson_quantile,
 )
 from titan.engine.queue_forecast import QueuedPrefill, QueueForecast, decode_growth, queued_start
 from titan.engine.sampling_params import SamplingParams
@@ -950,3 +952,23 @@ def test_a_drain_that_saves_nobody_stays_near_the_capped_step() -> None:
     assert (budget.reason, budget.ttft_met_capped, budget.ttft_met) == ("backlog", 0, 0)
     assert FUTILE_DRAIN_FACTOR == 1.5
     assert budget.prefill_tokens == 24 and budget.step_target_ms == pytest.approx(360.0)
+
+
+def test_a_cluster_that_heavy_traffic_brings_by_chance_is_not_a_batch() -> None:
+    """After light traffic four requests within the batch window are a batch. After 10 s of 4 req/s, which
+    brings four within 0.1 s about once in 130 requests, five are not: a batch takes six."""
+
+    def cluster_after(rate: float, size: int) -> ArrivalBatches:
+        batches = ArrivalBatches()
+        for n in range(round(10 * rate)):
+            batches.record(1000 + n, n / rate)  # evenly spread: no cluster among them
+        for seq_id in range(size):
+            batches.record(seq_id, 10.0 + 0.1 * BATCH_WINDOW_SECONDS * seq_id)
+        return batches
+
+    assert poisson_quantile(0.4, CHANCE_CLUSTER_SHARE) == 5  # P(N >= 5) < 1e-4 for N ~ Poisson(4 req/s x 0.1 s)
+    assert cluster_after(0.2, 4).is_batch(0, 4)
+    assert not cluster_after(4.0, 5).is_batch(0, 4)
+    batches = cluster_after(4.0, 6)
+    assert batches.is_batch(5, 4) and not batches.is_batch(1000, 4) and not batches.is_batch(5, 7)
+    assert not batches.is_batch(5, 0)  # 0: batches off

@@ -32,9 +32,15 @@ TYPICAL_DECODES_SECONDS = 5.0
 # Requests arriving within this many seconds of the first of them are one batch (a client that fans out, an
 # eval job, `titan bench --preset burst`). A 20 ms chain (each within 20 ms of the one before) missed bursts
 # the bench sent within 10 ms (AVX2 EPYC, burst@0.7: 4 batch steps in the cell, TTFT P99 1.49x fcfs's); the
-# server stamps arrivals in its HTTP handlers, and those stamps landed further apart. Poisson traffic brings
-# four arrivals within 0.1 s about once in 2,000 requests at 1.5 req/s, once in 280 at 3 req/s.
+# server stamps arrivals in its HTTP handlers, and those stamps landed further apart.
 BATCH_WINDOW_SECONDS = 0.1
+# A batch is a cluster that the recent Poisson traffic would bring by chance in fewer than this share of
+# arrivals. Four arrivals within 0.1 s come once in ~2,000 requests at 1.5 req/s, but once in ~130 at 4 req/s:
+# served storm@1.5 (AMX Xeon, ~4 req/s) met such a cluster once a cell, and its members, queued behind ~26
+# others, kept the whole budget (~800 ms steps against a ~130 ms P50) until most of the queue was prefilled.
+# A batch now takes 6 at 3-5 req/s, 5 at 1-2 req/s, 4 below (the burst preset's are 16).
+CHANCE_CLUSTER_SHARE = 1e-4
+BATCH_RATE_WINDOW_SECONDS = 10.0  # the arrival rate a cluster is judged against is over this many seconds
 
 
 @dataclass(slots=True)
@@ -171,23 +177,51 @@ def paced_chunk(cost_model: StepCostModel, decodes: StepShape, token_budget: int
 class ArrivalBatches:
     """Which requests arrived together: within BATCH_WINDOW_SECONDS of the batch's first. A batch is one client's
     job, done when its last request is; the slo policy prefills it at whole-budget steps, as fcfs would
-    (titan.engine.prefill_budget). Sizes are kept for the requests still in the scheduler (`forget`)."""
+    (titan.engine.prefill_budget). A cluster counts as a batch only if it is bigger than the recent arrivals
+    bring by chance (`least_cluster`): under heavy Poisson traffic four requests within 0.1 s are routine.
+    Sizes are kept for the requests still in the scheduler (`forget`)."""
 
     def __init__(self) -> None:
         self._opened: float | None = None  # the open batch's first arrival
-        self._current: list[int] = [0]  # the open batch's size, shared by its members
+        self._current: list[int] = [0, 0]  # the open batch's size and the size a batch needed then, shared
         self._of: dict[int, list[int]] = {}
+        self._recent: deque[float] = deque(maxlen=MAX_TRACKED_ARRIVALS)  # arrival times, oldest first
 
     def record(self, seq_id: int, now: float) -> None:
         if self._opened is None or now - self._opened > BATCH_WINDOW_SECONDS:
-            self._opened, self._current = now, [0]
+            self._opened, self._current = now, [0, self._least_cluster(now)]
         self._current[0] += 1
         self._of[seq_id] = self._current
+        self._recent.append(now)
 
     def size(self, seq_id: int) -> int:
         """Requests in `seq_id`'s arrival batch (1: it came alone, or is not known)."""
         batch = self._of.get(seq_id)
         return batch[0] if batch is not None else 1
 
+    def is_batch(self, seq_id: int, least: int) -> bool:
+        """Whether `seq_id` arrived in a batch of `least` or more that chance does not explain."""
+        batch = self._of.get(seq_id)
+        return least > 0 and batch is not None and batch[0] >= max(least, batch[1])
+
     def forget(self, seq_id: int) -> None:
         self._of.pop(seq_id, None)
+
+    def _least_cluster(self, now: float) -> int:
+        """The smallest cluster (its first arrival and those within the window) that the arrival rate of the
+        last BATCH_RATE_WINDOW_SECONDS brings by chance after fewer than CHANCE_CLUSTER_SHARE of arrivals."""
+        while self._recent and self._recent[0] < now - BATCH_RATE_WINDOW_SECONDS:
+            self._recent.popleft()
+        return 1 + poisson_quantile(len(self._recent) / BATCH_RATE_WINDOW_SECONDS * BATCH_WINDOW_SECONDS,
+                                    CHANCE_CLUSTER_SHARE)
+
+
+def poisson_quantile(mean: float, tail: float) -> int:
+    """The smallest n with P(N >= n) < `tail` for N ~ Poisson(`mean`)."""
+    term = cumulative = math.exp(-mean)
+    count = 1
+    while 1.0 - cumulative >= tail:
+        term *= mean / count
+        cumulative += term
+        count += 1
+    return count

@@ -198,9 +198,10 @@ class SloPlanner:
         return max(capped, floor)
 
     def _holds_batch(self, queue: Iterable[Sequence]) -> bool:
-        """Whether a prompt still to prefill arrived in a batch of `batch_min_requests` or more."""
+        """Whether a prompt still to prefill arrived in a batch of `batch_min_requests` or more (more under heavy
+        traffic, where smaller clusters come by chance)."""
         least = self.config.batch_min_requests
-        return least > 0 and any(self.batches.size(seq.seq_id) >= least for seq in queue)
+        return least > 0 and any(self.batches.is_batch(seq.seq_id, least) for seq in queue)
 
     def _full_batch_step(self, model: StepCostModel, typical: StepShape, demand_start: int) -> float:
         """The full batch's predicted step (titan.engine.overload), as wide as `max_num_seqs` or the KV cache
