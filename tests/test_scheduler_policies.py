@@ -704,6 +704,20 @@ def test_slo_policy_prefills_a_batch_that_arrived_together_at_the_whole_budget()
     with_two_decodes(scheduler)
     queue_now(scheduler, 4, 40)
     assert step(scheduler).budget.reason == "itl_cap"
+    # After 10 s of ~4 req/s (gone since), four together are a cluster such traffic brings by chance: capped.
+    scheduler = budget_scheduler(ttft_target_ms=40_000, batch_min_requests=4)
+    with_two_decodes(scheduler)
+    now = time.monotonic()  # arrival stamps alone decide what a batch is: no test timing in this
+    for n in range(41):
+        seq = sequence(40)
+        seq.arrival_time = now - 11.0 + n / 4.0
+        scheduler.add(seq)
+        scheduler.abort(seq.seq_id)
+    for _ in range(4):
+        seq = sequence(40)
+        seq.arrival_time = now
+        scheduler.add(seq)
+    assert step(scheduler).budget.reason == "itl_cap"
 
 
 def follow_a_hot_prefix(scheduler: Scheduler) -> Sequence:

@@ -193,7 +193,8 @@ class SchedulerConfig:
               "traffic never builds a backlog (0: the ITL target alone sizes the cap)")
     batch_min_requests: int = option(
         4, "slo: a queue holding this many requests that arrived together (within 100 ms of the first: a "
-           "fan-out, an eval job, a burst) is prefilled at the whole token budget, as fcfs would (0: never)")
+           "fan-out, an eval job, a burst; more under heavy traffic, where smaller clusters come by chance) is "
+           "prefilled at the whole token budget, as fcfs would (0: never)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:

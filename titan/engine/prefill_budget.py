@@ -47,7 +47,8 @@ carries decodes:
   into only splits the gaps into long and short ones.
 
 A queue holding a batch (`batch_min_requests` or more requests that arrived together, within
-titan.engine.prefill_demand.BATCH_WINDOW_SECONDS of the first: a client fanning out, an eval job, a burst) is
+titan.engine.prefill_demand.BATCH_WINDOW_SECONDS of the first: a client fanning out, an eval job, a burst;
+more under heavy traffic, where Poisson arrivals bring smaller clusters by chance: `ArrivalBatches`) is
 drained at the whole token budget until the batch is prefilled, as fcfs would: its job is done when its last
 request is, and the throughput rule bounds a burst's TTFT P99 at 1.1x fcfs's.
 

@@ -38,7 +38,8 @@ BATCH_WINDOW_SECONDS = 0.1
 # arrivals. Four arrivals within 0.1 s come once in ~2,000 requests at 1.5 req/s, but once in ~130 at 4 req/s:
 # served storm@1.5 (AMX Xeon, ~4 req/s) met such a cluster once a cell, and its members, queued behind ~26
 # others, kept the whole budget (~800 ms steps against a ~130 ms P50) until most of the queue was prefilled.
-# A batch now takes 6 at 3-5 req/s, 5 at 1-2 req/s, 4 below (the burst preset's are 16).
+# A batch now takes 4 up to 0.8 req/s, 5 up to 2.3, 6 up to 4.4, 7 up to 7 (benchmarks/default_policy.py's
+# bursts are 12-26).
 CHANCE_CLUSTER_SHARE = 1e-4
 BATCH_RATE_WINDOW_SECONDS = 10.0  # the arrival rate a cluster is judged against is over this many seconds
 
