@@ -179,7 +179,7 @@ class ArrivalBatches:
     """Which requests arrived together: within BATCH_WINDOW_SECONDS of the batch's first. A batch is one client's
     job, done when its last request is; the slo policy prefills it at whole-budget steps, as fcfs would
     (titan.engine.prefill_budget). A cluster counts as a batch only if it is bigger than the recent arrivals
-    bring by chance (`least_cluster`): under heavy Poisson traffic four requests within 0.1 s are routine.
+    bring by chance (`_least_cluster`): under heavy Poisson traffic four requests within 0.1 s are routine.
     Sizes are kept for the requests still in the scheduler (`forget`)."""
 
     def __init__(self) -> None:
@@ -218,8 +218,12 @@ class ArrivalBatches:
 
 
 def poisson_quantile(mean: float, tail: float) -> int:
-    """The smallest n with P(N >= n) < `tail` for N ~ Poisson(`mean`)."""
+    """The smallest n with P(N >= n) < `tail` for N ~ Poisson(`mean`). The mean here is at most
+    MAX_TRACKED_ARRIVALS / BATCH_RATE_WINDOW_SECONDS x BATCH_WINDOW_SECONDS (~41); past ~700 exp(-mean) would
+    underflow, and a normal bound stands in."""
     term = cumulative = math.exp(-mean)
+    if term == 0.0:
+        return math.ceil(mean + 6.0 * math.sqrt(mean))
     count = 1
     while 1.0 - cumulative >= tail:
         term *= mean / count
