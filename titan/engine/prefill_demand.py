@@ -180,7 +180,7 @@ class ArrivalBatches:
     job, done when its last request is; the slo policy prefills it at whole-budget steps, as fcfs would
     (titan.engine.prefill_budget). A cluster counts as a batch only if it is bigger than the recent arrivals
     bring by chance (`_least_cluster`): under heavy Poisson traffic four requests within 0.1 s are routine.
-    Sizes are kept for the requests still in the scheduler (`forget`)."""
+    Batches are kept for the requests still in the scheduler (`forget`)."""
 
     def __init__(self) -> None:
         self._opened: float | None = None  # the open batch's first arrival
@@ -194,11 +194,6 @@ class ArrivalBatches:
         self._current[0] += 1
         self._of[seq_id] = self._current
         self._recent.append(now)
-
-    def size(self, seq_id: int) -> int:
-        """Requests in `seq_id`'s arrival batch (1: it came alone, or is not known)."""
-        batch = self._of.get(seq_id)
-        return batch[0] if batch is not None else 1
 
     def is_batch(self, seq_id: int, least: int) -> bool:
         """Whether `seq_id` arrived in a batch of `least` or more that chance does not explain."""
