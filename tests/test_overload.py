@@ -10,7 +10,7 @@ from titan.config import SchedulerConfig
 from titan.engine.block_manager import BlockManager
 from titan.engine.cost_model import StepCostModel, StepShape
 from titan.engine.overload import OVERLOAD_REFILL_SHARE, OutputLengths, full_batch_step
-from titan.engine.prefill_budget import choose_budget
+from titan.engine.prefill_budget import OVERLOAD_BACKLOG_REQUESTS, choose_budget
 from titan.engine.queue_forecast import QueuedPrefill
 from titan.engine.sampling_params import SamplingParams
 from titan.engine.scheduler import Scheduler
@@ -74,10 +74,34 @@ def test_an_overload_drain_is_held_at_the_full_batch_step() -> None:
     assert low.drain_bound_ms == pytest.approx(300.0)
 
 
-def overloaded_scheduler(now: list[float], finish_one: bool) -> Scheduler:
+def late_queue(size: int) -> list[QueuedPrefill]:
+    return [QueuedPrefill(40, 20.0, 10.0, 0) for _ in range(size)]  # each waited past its target already
+
+
+def test_a_backlog_nobody_can_be_on_time_in_is_held_at_the_full_batch_step_once_it_is_long() -> None:
+    """No arrivals to keep pace with and every queued request late whatever the chunk: a short queue takes the
+    futile drain's step (1.5 x the 0.245 s cap, within the drain's 0.3 s bound), one of
+    OVERLOAD_BACKLOG_REQUESTS or more the 0.5 s full-batch step, 38 prompt tokens beside the two decodes."""
+    assert OVERLOAD_BACKLOG_REQUESTS == 12
+    model = fixed_cost_model(0.1, 0.01)
+    decodes = StepShape(2, 2, 0.0)
+    options = dict(min_chunk=1, typical=decodes, max_drain_factor=2.5, overload_step=0.5)
+    short = choose_budget(model, decodes, 254, 0.245, late_queue(11), 2, 4.0, **options)
+    assert (short.reason, short.ttft_met) == ("backlog", 0)
+    assert short.drain_bound_ms == pytest.approx(300.0) and short.prefill_tokens == 18
+    long = choose_budget(model, decodes, 254, 0.245, late_queue(12), 2, 4.0, **options)
+    assert (long.reason, long.ttft_met) == ("backlog", 0)
+    assert long.drain_bound_ms == pytest.approx(500.0) and long.step_target_ms == pytest.approx(500.0)
+    assert long.prefill_tokens == 38
+    # Never past the whole budget's step.
+    whole = choose_budget(model, decodes, 254, 0.245, late_queue(12), 2, 4.0, **{**options, "overload_step": 9.0})
+    assert whole.prefill_tokens == 254 and whole.step_target_ms == pytest.approx(2660.0)
+
+
+def overloaded_scheduler(now: list[float], finish_one: bool, ttft_target_ms: int = 10_000) -> Scheduler:
     """Two streams decoding (and, with `finish_one`, a third that finishes after 20 tokens), then 20 prompts of
     40 tokens at once: 3,200 tokens/s over the quarter of the 1 s window a rate is measured over at least."""
-    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=245.0, ttft_target_ms=10_000,
+    config = SchedulerConfig(256, 32, policy="slo", aging_seconds=0.0, itl_slo_ms=245.0, ttft_target_ms=ttft_target_ms,
                              max_itl_excursion=4.0, prefill_demand_window_s=1.0, batch_min_requests=0,
                              max_drain_step_factor=2.5)
     scheduler = Scheduler(config, BlockManager(512, 4), 4096, frozenset({2}), fixed_cost_model(0.1, 0.01),
@@ -109,3 +133,16 @@ def test_the_slo_policy_holds_an_overload_once_it_knows_the_output_lengths() -> 
     free = step(overloaded_scheduler(now, finish_one=False)).budget
     assert free.reason == "backlog" and free.drain_bound_ms == pytest.approx(2660.0)
     assert free.full_batch_step_ms is None
+
+
+def test_an_overloads_backlog_is_held_once_its_arrivals_have_stopped() -> None:
+    """The 20 prompts arrived 1.5 s ago, out of the 1 s demand window: nothing asks to keep pace any more, but
+    the backlog (late against its 0.5 s targets) is still held at the full batch's step, its prompts read from
+    the queue (40 tokens each: 32 decodes beside 51 prompt tokens, 0.93 s) rather than from the window."""
+    now = [1000.0]
+    scheduler = overloaded_scheduler(now, finish_one=True, ttft_target_ms=500)
+    now[0] += 1.5
+    budget = step(scheduler).budget
+    assert budget.reason == "backlog" and budget.demand_tokens_per_s == 0.0
+    assert budget.full_batch_step_ms == pytest.approx(930.0)
+    assert budget.drain_bound_ms == pytest.approx(930.0) and budget.ttft_met == 0

@@ -45,6 +45,10 @@ carries decodes:
   finished and the output length is known), or the excursion bound if that is more: under an overload
   keeping pace with the arrivals asks for the whole budget, and a step past the one the full batch settles
   into only splits the gaps into long and short ones.
+* A drain that no chunk up to its widest step gets on time, with OVERLOAD_BACKLOG_REQUESTS or more requests
+  queued, is an overload's backlog and takes F (never more than the whole budget): otherwise it stays near
+  the capped step, and a backlog whose arrivals have stopped (so nothing asks to keep pace) drains at a few
+  decodes' pace while dozens of requests wait.
 
 A queue holding a batch (`batch_min_requests` or more requests that arrived together, within
 titan.engine.prefill_demand.BATCH_WINDOW_SECONDS of the first: a client fanning out, an eval job, a burst;
@@ -128,6 +132,17 @@ FUTILE_DRAIN_FACTOR = 1.5
 # pace with, it held the batch at 12 decodes (steps ~2x those decodes' 45 ms) while 50 requests waited: 0.73x
 # fcfs's output tok/s, TTFT P99 21 s against 2.5 s. Bounding every overload step passed both 1.5x ITL rules in
 # 4-11 draws of 12 instead of none, at 0.71-0.86x fcfs's output tok/s there.
+# A drain that gets no queued first token on time with this many requests queued or more is an overload's
+# backlog, held at the full batch's step. Served storm@1.5 on an AMX Xeon over 120 s (prompts arriving 1.5x
+# faster than this host prefills them): after 40 s of drains at 4-13 decodes while the queue grew to ~25, and
+# 80 s at the full batch's step while it grew to ~80, the arrivals stopped, their demand left its window,
+# and ~46 waiting requests drained at ~60 ms steps of 3-6 decodes: ITL P99 3.31x the P50 where fcfs's settled
+# at 1.81x. Replayed over 120 s (6 draws; an AMX Xeon's law / the AVX2 EPYC's) the ratio's median went from
+# 2.20 / 4.31 to 1.65 / 1.88, passing in 6 / 4 draws instead of 1 / 0, at 0.98x fcfs's output tok/s instead
+# of 0.95x. Over 40 s (12 draws) only storm@1.5 moved: 3.45 -> 2.49 on the Xeon's law, 6.40 -> 6.39 on the
+# EPYC's. At 8, steady@1.5 and shared@0.7 moved too (the Xeon's law: shared@0.7's median max 2.6 -> 3.1x); at
+# 20, storm@1.5 over 40 s less (2.93).
+OVERLOAD_BACKLOG_REQUESTS = 12
 # Chunk sizes a drain that gets no queue on time compares grow by this factor (most_on_time).
 SEARCH_GROWTH = 1.25
 
@@ -250,6 +265,11 @@ def choose_budget(cost_model: StepCostModel, decodes: StepShape, token_budget: i
         widest = min(widest, max(overload_step, excursion, cap_target))
     widest_tokens = tokens_within(widest)
     tokens = smallest_on_time(forecast, floor, widest_tokens, step_of)
+    if tokens is None and overload_step > 0 and len(queue) >= OVERLOAD_BACKLOG_REQUESTS:
+        # An overload's backlog: at the futile drain's step its requests wait longer still, and the batch
+        # stays a few decodes wide; at the full batch's step it fills and settles, as fcfs's does.
+        widest = min(max(widest, overload_step), step_of(token_budget))
+        widest_tokens = tokens = tokens_within(widest)
     if tokens is None:
         futile = tokens_within(min(widest, FUTILE_DRAIN_FACTOR * cap_target))
         moderate = max(floor, min(keeping_up, widest_tokens), futile)

@@ -25,7 +25,7 @@ from titan.engine.prefill_budget import (
     choose_budget,
 )
 from titan.engine.prefill_demand import ArrivalBatches, PrefillDemand, TypicalDecodes
-from titan.engine.queue_forecast import QueuedPrefill
+from titan.engine.queue_forecast import QueuedPrefill, queued_start
 from titan.engine.sequence import Sequence, SequenceStatus
 from titan.engine.step_builder import StepBuilder
 
@@ -181,7 +181,7 @@ class SloPlanner:
         decision = choose_budget(model, step.decode_shape, step.budget, itl_target, queued, fresh,
                                  config.max_itl_excursion, self.draining, config.min_prefill_chunk, demand,
                                  typical, demand_start, batch, config.max_drain_step_factor,
-                                 self._full_batch_step(model, typical, demand_start))
+                                 self._full_batch_step(model, typical, demand_start, queued))
         self.draining = decision.reason == BACKLOG
         if decision.itl_cost:
             for seq in in_step:
@@ -203,15 +203,22 @@ class SloPlanner:
         least = self.config.batch_min_requests
         return least > 0 and any(self.batches.is_batch(seq.seq_id, least) for seq in queue)
 
-    def _full_batch_step(self, model: StepCostModel, typical: StepShape, demand_start: int) -> float:
+    def _full_batch_step(self, model: StepCostModel, typical: StepShape, demand_start: int,
+                         queued: list[QueuedPrefill]) -> float:
         """The full batch's predicted step (titan.engine.overload), as wide as `max_num_seqs` or the KV cache
-        allows, which an overload is held at; 0 before a request has finished or while no arrivals are counted."""
+        allows, which an overload is held at; 0 before a request has finished, or with pacing off. Its prompts
+        are the arrivals' of the demand window, or once none are left in it, the `queued` ones': an
+        overload's backlog outlives its arrivals."""
         mean_output = self.output_lengths.mean
         if self.demand is None or mean_output is None:
             return 0.0
+        prompt_tokens, prompt_start = self.demand.mean_tokens(), demand_start
+        if not prompt_tokens and queued:
+            prompt_tokens = sum(prefill.remaining_tokens for prefill in queued) / len(queued)
+            prompt_start = queued_start(queued)
         kv_cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         return full_batch_step(model, typical, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                               self.demand.mean_tokens(), mean_output, demand_start, kv_cache_tokens)
+                               prompt_tokens, mean_output, prompt_start, kv_cache_tokens)
 
     def _idle_step_bound(self, model: StepCostModel) -> float | None:
         """A step with nobody mid-stream has no token gap to protect, but a request arriving while it runs
