@@ -80,7 +80,7 @@ def late_queue(size: int) -> list[QueuedPrefill]:
 
 def test_a_backlog_nobody_can_be_on_time_in_is_held_at_the_full_batch_step_once_it_is_long() -> None:
     """No arrivals to keep pace with and every queued request late whatever the chunk: a short queue takes the
-    futile drain's step (1.5 x the 0.245 s cap, within the drain's 0.3 s bound), one of
+    futile drain's step (1.5 x the 0.245 s cap, cut to the drain's 0.3 s bound), one of
     OVERLOAD_BACKLOG_REQUESTS or more the 0.5 s full-batch step, 38 prompt tokens beside the two decodes."""
     assert OVERLOAD_BACKLOG_REQUESTS == 12
     model = fixed_cost_model(0.1, 0.01)

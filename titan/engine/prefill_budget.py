@@ -137,7 +137,8 @@ FUTILE_DRAIN_FACTOR = 1.5
 # faster than this host prefills them): after 40 s of drains at 4-13 decodes while the queue grew to ~25, and
 # 80 s at the full batch's step while it grew to ~80, the arrivals stopped, their demand left its window,
 # and ~46 waiting requests drained at ~60 ms steps of 3-6 decodes: ITL P99 3.31x the P50 where fcfs's settled
-# at 1.81x. Replayed over 120 s (6 draws; an AMX Xeon's law / the AVX2 EPYC's) the ratio's median went from
+# at 1.81x; held, 1.66x against fcfs's 1.84x, at 0.96x fcfs's output tok/s (0.92x before) and TTFT P99 1.26x
+# fcfs's (1.54x). Replayed over 120 s (6 draws; an AMX Xeon's law / the AVX2 EPYC's) the ratio's median went from
 # 2.20 / 4.31 to 1.65 / 1.88, passing in 6 / 4 draws instead of 1 / 0, at 0.98x fcfs's output tok/s instead
 # of 0.95x. Over 40 s (12 draws) only storm@1.5 moved: 3.45 -> 2.49 on the Xeon's law, 6.40 -> 6.39 on the
 # EPYC's. At 8, steady@1.5 and shared@0.7 moved too (the Xeon's law: shared@0.7's median max 2.6 -> 3.1x); at
