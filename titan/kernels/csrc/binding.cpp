@@ -302,6 +302,17 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
     return y;
 }
 
+// How many times the pool ran each index of [0, total), cut into chunks of `chunk`: 1 everywhere, and at
+// return, or a claim ran twice or was still running (tests/test_kernel_pool.py).
+torch::Tensor pool_run_counts(int64_t total, int64_t chunk) {
+    torch::Tensor counts = torch::zeros({total}, torch::kInt32);
+    int32_t* c = counts.data_ptr<int32_t>();
+    parallel_chunks(total, chunk, [c](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) __atomic_fetch_add(&c[i], 1, __ATOMIC_RELAXED);
+    });
+    return counts;
+}
+
 }  // namespace
 
 torch::Tensor quantized_gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K,
@@ -344,5 +355,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           }, "paged attention of decode rows and short chunks, reading K/V through the block table (csrc/attention_ops.h)",
           no_gil);
     m.def("write_kv", &titan_write_kv, "key/value rows into their cache slots");
+    m.def("pool_run_counts", &pool_run_counts, "runs of each index by the kernels' pool (a test of csrc/pool.cpp)",
+          py::arg("total"), py::arg("chunk"), no_gil);
     m.def("decode_stack", &decode_stack, "every decoder layer of a narrow step in one call (csrc/decoder.h)", no_gil);
 }

@@ -21,14 +21,22 @@ namespace {
 
 // How long an idle worker spins before it sleeps: ~50 us, as GOMP_SPINCOUNT=3000 for the OpenMP threads
 // (titan/__init__.py). TITAN_POOL_SPIN_US overrides it (0: sleep at once, where cores are shared).
-int64_t spin_microseconds() {
-    const char* value = std::getenv("TITAN_POOL_SPIN_US");
-    return value != nullptr ? std::max<int64_t>(0, std::atoll(value)) : 50;
+int64_t microseconds_from_env(const char* name, int64_t fallback) {
+    const char* value = std::getenv(name);
+    return value != nullptr ? std::max<int64_t>(0, std::atoll(value)) : fallback;
 }
+
+// TITAN_POOL_RACE_PROBE_US (tests only): a worker pauses this long after each claim it finishes, and a job
+// pauses twice as long between its fields and its ticket, so that a late worker meets the next job's fields
+// under the last job's ticket every time instead of ~2 jobs in a million (tests/test_kernel_pool.py).
+const int64_t g_probe_us = microseconds_from_env("TITAN_POOL_RACE_PROBE_US", 0);
+
+// A ticket's chunk index once its job is over: no count of chunks reaches it, so no claim on it succeeds.
+constexpr uint64_t CLOSED = 0xFFFFFFFFu;
 
 class Pool {
   public:
-    explicit Pool(int workers) : spin_(std::chrono::microseconds(spin_microseconds())) {
+    explicit Pool(int workers) : spin_(std::chrono::microseconds(microseconds_from_env("TITAN_POOL_SPIN_US", 50))) {
         for (int i = 0; i < workers; i++) threads_.emplace_back([this] { work(); });
     }
 
@@ -45,12 +53,21 @@ class Pool {
 
     void run(int64_t total, int64_t chunk, const std::function<void(int64_t, int64_t)>& body) {
         const int64_t chunks = (total + chunk - 1) / chunk;
+        // Close the last job's ticket before its fields change. A worker that finished that job's last chunk
+        // may still be about to claim: it read the ticket, then reads `chunks_`. Without the close it could
+        // read this job's count, claim under the old ticket (unchanged until the store below), run this job's
+        // body and add to `done_` after the reset: the caller then returned with chunks still being written
+        // (a product's last rows unwritten, ~2 jobs in a million on a loaded 2-core machine). Closed, the claim
+        // fails.
+        const uint64_t last = ticket_.load(std::memory_order_relaxed) >> 32;
+        ticket_.store((last << 32) | CLOSED, std::memory_order_seq_cst);
         body_.store(&body, std::memory_order_relaxed);
         total_.store(total, std::memory_order_relaxed);
         chunk_.store(chunk, std::memory_order_relaxed);
-        chunks_.store(chunks, std::memory_order_relaxed);
         done_.store(0, std::memory_order_relaxed);
-        const uint64_t generation = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+        chunks_.store(chunks, std::memory_order_release);  // read with acquire before a claim: then so is the close
+        if (g_probe_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(2 * g_probe_us));
+        const uint64_t generation = last + 1;
         ticket_.store(generation << 32, std::memory_order_seq_cst);
         if (sleepers_.load(std::memory_order_seq_cst) > 0) {
             std::lock_guard<std::mutex> lock(mutex_);
@@ -69,7 +86,7 @@ class Pool {
         const int64_t threads = (int64_t)threads_.size() + 1;
         uint64_t ticket = ticket_.load(std::memory_order_acquire);
         while ((ticket >> 32) == generation) {
-            const int64_t index = (int64_t)(ticket & 0xFFFFFFFFu), chunks = chunks_.load(std::memory_order_relaxed);
+            const int64_t index = (int64_t)(ticket & CLOSED), chunks = chunks_.load(std::memory_order_acquire);
             if (index >= chunks) return;
             const int64_t count = std::max<int64_t>(1, (chunks - index) / (2 * threads));
             if (!ticket_.compare_exchange_weak(ticket, ticket + count, std::memory_order_acq_rel)) continue;
@@ -78,6 +95,7 @@ class Pool {
             const int64_t end = std::min(total_.load(std::memory_order_relaxed), (index + count) * chunk);
             (*body_.load(std::memory_order_relaxed))(begin, end);
             done_.fetch_add(count, std::memory_order_release);
+            if (g_probe_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(g_probe_us));
             ticket = ticket_.load(std::memory_order_acquire);
         }
     }
