@@ -209,7 +209,22 @@ def test_requests_that_can_never_fit_are_refused_at_admission() -> None:
         scheduler.add(Sequence(list(range(20)), SamplingParams(max_tokens=20)))
     with pytest.raises(RequestRejectedError, match="empty"):
         scheduler.add(Sequence([], SamplingParams()))
+    # A prompt the whole cache cannot hold is the prompt's fault, whatever max_tokens says.
+    with pytest.raises(RequestRejectedError, match="shorten the prompt") as refused:
+        scheduler.add(Sequence(list(range(32)), SamplingParams(max_tokens=1)))
+    assert refused.value.param == "prompt"
     assert not scheduler.has_unfinished
+
+
+def test_without_max_tokens_a_cache_smaller_than_the_context_ends_with_length() -> None:
+    """llama.cpp's n_ctx: with no max_tokens a request runs until the context or the whole KV cache is full,
+    instead of being refused because the context (64) is more than the cache holds (8 blocks of 4)."""
+    scheduler, runner = make_scheduler(num_blocks=8, block_size=4, max_model_len=64)
+    seq = Sequence(list(range(10)), SamplingParams(max_tokens=None, ignore_eos=True))
+    scheduler.add(seq)
+    run_all(scheduler, runner)
+    assert seq.num_tokens == 32 and seq.status is SequenceStatus.FINISHED_LENGTH
+    assert scheduler.block_manager.num_free_blocks == 8
 
 
 def test_many_concurrent_requests_with_tiny_pool_all_match_reference() -> None:

@@ -27,6 +27,8 @@ def parse_error(schema: type, raw: str) -> APIError:
 
 def test_check_context_fills_and_rejects() -> None:
     assert check_context(10, None, 100) == 90
+    assert check_context(10, None, 100, kv_cache_tokens=64) == 54  # the cache, where it is less
+    assert check_context(80, None, 100, kv_cache_tokens=64) == 1  # the engine refuses the prompt
     assert check_context(10, 90, 100) == 90
     with pytest.raises(APIError) as too_long:
         check_context(100, 1, 100)

@@ -48,6 +48,7 @@ class EngineInfo:
     grammars: GrammarCompiler  # thread-safe: the server compiles request grammars with it off the engine thread
     # Sampling defaults for API requests that leave a field unset (vLLM's --generation-config rule).
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
+    kv_cache_tokens: int | None = None  # the whole KV cache: what one request can hold, if less than the context
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ class LLMEngine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                          self.grammars, MappingProxyType(self.sampling_defaults))
+                          self.grammars, MappingProxyType(self.sampling_defaults),
+                          self.num_blocks * self.block_manager.block_size)
 
     def warmup(self) -> None:
         """Drive the largest shapes once, then settle the garbage collector (see gc_discipline)."""

@@ -71,10 +71,13 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------------
     def max_length(self, seq: Sequence) -> int:
-        """The most tokens (prompt + output) this sequence can ever hold."""
+        """The most tokens (prompt + output) this sequence can ever hold. Without max_tokens, the context or
+        the whole KV cache, whichever is less (llama.cpp's n_ctx): a cache smaller than the context used to
+        refuse every such request."""
         max_tokens = seq.sampling_params.max_tokens
-        limit = self.max_model_len if max_tokens is None else seq.num_prompt_tokens + max_tokens
-        return min(limit, self.max_model_len)
+        if max_tokens is None:
+            return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+        return min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def check_admissible(self, seq: Sequence) -> None:
         if seq.num_prompt_tokens == 0:
@@ -83,6 +86,13 @@ class Scheduler:
             raise RequestRejectedError(
                 f"the prompt has {seq.num_prompt_tokens} tokens, but this model's context is "
                 f"{self.max_model_len} tokens and at least one must be left to generate"
+            )
+        cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if seq.num_prompt_tokens >= cache_tokens:  # no max_tokens helps: name the prompt
+            raise RequestRejectedError(
+                f"the prompt has {seq.num_prompt_tokens} tokens, but the whole KV cache holds {cache_tokens} "
+                "and at least one must be left to generate; shorten the prompt or raise --kv-cache-memory",
+                param="prompt",
             )
         needed = cdiv(self.max_length(seq), self.block_manager.block_size)
         if needed > self.block_manager.num_blocks:

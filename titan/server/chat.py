@@ -75,7 +75,8 @@ class ChatRoute(GenerationRoute):
         except ValueError as error:  # no template, or the template rejected the conversation
             raise bad_request(f"Cannot apply the chat template: {error}", param="messages") from error
         token_ids = body.truncate(token_ids, info.max_model_len)
-        max_tokens = check_context(len(token_ids), body.requested_max_tokens, info.max_model_len, "messages")
+        max_tokens = check_context(len(token_ids), body.requested_max_tokens, info.max_model_len, "messages",
+                                   info.kv_cache_tokens)
         tool_constraint = constraint_for(self.tools, self.tool_choice, body.parallel_tool_calls) if self.tools else None
         choices = []
         banned = await body.bad_words_token_ids_async(tokenizer)

@@ -54,7 +54,8 @@ class CompletionRoute(GenerationRoute):
         requested = 1 if body.scores_prompt_only else body.max_tokens
         banned = await body.bad_words_token_ids_async(info.tokenizer)
         for prompt_index, token_ids in enumerate(prompt_ids):
-            max_tokens = check_context(len(token_ids), requested, info.max_model_len)
+            max_tokens = check_context(len(token_ids), requested, info.max_model_len,
+                                       kv_cache_tokens=info.kv_cache_tokens)
             for sample in range(body.n):
                 params = body.sampling_params(max_tokens, body.logprobs, sample, info.vocab_size, prompt_logprobs,
                                               info.sampling_defaults, banned)

@@ -273,9 +273,12 @@ class CompletionRequest(SamplingRequest):
 
 
 def check_context(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt"
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt",
+    kv_cache_tokens: int | None = None,
 ) -> int:
-    """Return the max_tokens to use; 400 if the prompt or prompt + max_tokens exceeds the context."""
+    """Return the max_tokens to use; 400 if the prompt or prompt + max_tokens exceeds the context. Left unset,
+    max_tokens runs to the end of the context, or of the whole KV cache where that is less (llama.cpp's n_ctx;
+    filled to the context, every such request was refused by a cache smaller than it)."""
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
@@ -283,7 +286,8 @@ def check_context(
             param=prompt_param, code="context_length_exceeded",
         )
     if max_tokens is None:
-        return max_model_len - num_prompt_tokens
+        room = max_model_len if kv_cache_tokens is None else min(max_model_len, kv_cache_tokens)
+        return max(1, room - num_prompt_tokens)  # a prompt the cache cannot hold is refused by the engine
     if max_tokens >= 1 and num_prompt_tokens + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from titan.server.errors import APIError, error_body
 from titan.server.gateway_metrics import GatewayMetrics
-from titan.server.tenant_quota import KINDS, Admission, BucketView, MemoryQuota, Quota, Refusal
+from titan.server.tenant_quota import KINDS, BucketView, MemoryQuota, Quota, Refusal
 
 SCOPE_KEY = "titan.tenant"
 QUOTA_KEY = "titan.tenant_quota"
@@ -275,38 +275,43 @@ class TenantGate:
         spec = tenant.spec
         # max_concurrent counts this replica's requests (it guards this replica's batch slots): no round trip.
         if generation and spec.max_concurrent is not None and tenant.in_flight >= spec.max_concurrent:
-            refusal: Refusal | None = (
+            refusal: Refusal = (
                 "concurrency_limit_exceeded", f"Tenant {tenant.name} already has {tenant.in_flight} requests "
                 f"running (max_concurrent {spec.max_concurrent}).", 1.0)
-            admission = Admission(refusal, self.quota.last_views(tenant))
-        else:
-            admission = await self.quota.admit(tenant, generation)
-            refusal = admission.refusal
-        if refusal is not None:
-            code, message, wait = refusal
-            if self.metrics is not None:
-                self.metrics.tenant_limited.labels(tenant.label, code).inc()
-            headers = [*rate_headers(admission.views), (b"retry-after", str(max(1, math.ceil(wait))).encode())]
-            await respond(send, HTTPStatus.TOO_MANY_REQUESTS, message, code, headers)
+            await self.refuse(send, tenant, refusal, self.quota.last_views(tenant))
             return
-        request_quota = RequestQuota(tenant, self.quota, admission.views)
-        state = scope.setdefault("state", {})
-        state[SCOPE_KEY], state[QUOTA_KEY] = tenant, request_quota
-        if self.metrics is not None:
-            self.metrics.tenant_requests.labels(tenant.label).inc()
-
-        async def with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *request_quota.headers()]}
-            await send(message)
-
+        # The slot is taken before the quota's round trip (Redis): requests arriving during it see it taken.
+        # Taken after it, every request of a burst passed the check above while the first one awaited Redis.
         if generation:
             tenant.in_flight += 1
         try:
+            admission = await self.quota.admit(tenant, generation)
+            if admission.refusal is not None:
+                await self.refuse(send, tenant, admission.refusal, admission.views)
+                return
+            request_quota = RequestQuota(tenant, self.quota, admission.views)
+            state = scope.setdefault("state", {})
+            state[SCOPE_KEY], state[QUOTA_KEY] = tenant, request_quota
+            if self.metrics is not None:
+                self.metrics.tenant_requests.labels(tenant.label).inc()
+
+            async def with_headers(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), *request_quota.headers()]}
+                await send(message)
+
             await self.app(scope, receive, with_headers)
         finally:
             if generation:
                 tenant.in_flight -= 1
+
+    async def refuse(self, send: Send, tenant: Tenant, refusal: Refusal, views: dict[str, BucketView]) -> None:
+        """A 429 naming the limit, with the tenant's rate headers and how long to wait."""
+        code, message, wait = refusal
+        if self.metrics is not None:
+            self.metrics.tenant_limited.labels(tenant.label, code).inc()
+        headers = [*rate_headers(views), (b"retry-after", str(max(1, math.ceil(wait))).encode())]
+        await respond(send, HTTPStatus.TOO_MANY_REQUESTS, message, code, headers)
 
 
 async def respond(send: Send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]) -> None:
