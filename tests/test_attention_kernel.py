@@ -191,6 +191,12 @@ def test_kernel_rejects_bad_arguments() -> None:
         NATIVE.paged_attention(*args, torch.tensor([[0, 99, 0]]), *good)
     with pytest.raises(RuntimeError, match="outside the cache"):
         NATIVE.paged_attention(*args, torch.tensor([[-1, 0, 0]]), *good)
+    with pytest.raises(RuntimeError, match="outside the cache"):  # page x block_size wrapped past the check
+        NATIVE.paged_attention(*args, torch.tensor([[2**63 - 2**39]]), torch.tensor([0, 2]), torch.tensor([2]), 2,
+                               0.1)
+    with pytest.raises(RuntimeError, match="positive multiple"):  # no query heads: a division by zero
+        NATIVE.paged_attention(case["query"][:, :0], case["key_cache"], case["value_cache"],
+                               torch.tensor([case["tables"][0]]), *good)
     table = torch.tensor([case["tables"][0]])
     with pytest.raises(RuntimeError, match="context"):  # more context than the table maps
         NATIVE.paged_attention(*args, table, torch.tensor([0, 2]), torch.tensor([90]), 16, 0.1)

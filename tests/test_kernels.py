@@ -30,6 +30,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from titan.kernels import SUPPORTED_TYPES, QuantizedTensor, cat_rows, fallback, native, ops
+from titan.kernels.quantize import quantize_q8_0
 from titan.loader.resolve import default_model_path
 
 Q = gguf.GGMLQuantizationType
@@ -434,3 +435,20 @@ def test_opt_in_bf32_wide_products(kind: Q, interleaved: bool, monkeypatch: pyte
     before = ops.quantized_linear(narrow, weight)
     monkeypatch.setattr(ops, "wide_bf32", lambda: True)
     assert torch.equal(ops.quantized_linear(narrow, weight), before)
+
+
+def test_a_block_of_tiny_activations_rounds_to_zeros(isa: str) -> None:
+    """A block of 32 activations all below ~4e-34 but not zero: its scale is below the smallest normal float,
+    1 / scale overflowed to inf, and the row's product came out NaN (wide steps, the fallback) or its block
+    read -32768 (narrow integer steps). It now rounds to zeros on every path, as the fallback does."""
+    torch.manual_seed(0)
+    weight = quantize_q8_0(torch.randn(8, 64))
+    x = torch.randn(1, 64)
+    x[0, 32:] = torch.linspace(1e-36, 2e-36, 32)
+    expected = x[:, :32] @ fallback.dequantize_rows(weight.data, weight.ggml_type, 64)[:, :32].T
+    assert torch.equal(fallback.round_activations(x)[0, 32:], torch.zeros(32))
+    assert torch.equal(NATIVE.round_activations(x), fallback.round_activations(x))
+    narrow = NATIVE.gemv(x, weight.data, weight.ggml_type, 64, False)
+    wide = NATIVE.gemm(x, weight.data, weight.ggml_type, 64, 8, False, False)
+    for product in (narrow, wide):
+        assert torch.allclose(product, expected, rtol=1e-2, atol=1e-2)

@@ -27,7 +27,8 @@ def round_activations(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
         return x
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / float(2 ** (bits - 1) - 1)
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    # A block below the smallest normal scale rounds to zeros, as in the native kernels (1 / scale would be inf).
+    inverse = torch.where(scale >= torch.finfo(torch.float32).tiny, 1.0 / scale, torch.zeros_like(scale))
     return (torch.round(blocks * inverse) * scale).reshape(x.shape).to(x.dtype)
 
 

@@ -68,7 +68,8 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
     const int64_t S = key_cache.size(0), Hkv = key_cache.size(1);
     TORCH_CHECK(key_cache.size(2) == D, "cache head_dim ", key_cache.size(2), " != query head_dim ", D);
     TORCH_CHECK(D > 0 && D % 8 == 0, "head_dim must be a positive multiple of 8, not ", D);
-    TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads (", H, ") must be a multiple of kv heads (", Hkv, ")");
+    TORCH_CHECK(Hkv > 0 && H > 0 && H % Hkv == 0, "query heads (", H, ") must be a positive multiple of kv heads (",
+                Hkv, ")");
     TORCH_CHECK(block_size > 0, "block_size must be positive");
     TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [B, max_blocks]");
     const torch::Tensor tables = as_int64(block_tables, "block_tables");
@@ -90,8 +91,9 @@ torch::Tensor titan_paged_attention(const std::string& isa, const torch::Tensor&
                     " and at least its rows)");
         for (int64_t k = 0; k * block_size < context; k++) {
             const int64_t page = tp[b * max_blocks + k], used = std::min(block_size, context - k * block_size);
-            TORCH_CHECK(page >= 0 && page * block_size + used <= S, "sequence ", b, ": block ", page,
-                        " lies outside the cache");
+            // Divided rather than multiplied: a huge page number wrapped the product past the check.
+            TORCH_CHECK(page >= 0 && used <= S && page <= (S - used) / block_size, "sequence ", b, ": block ",
+                        page, " lies outside the cache");
         }
         total_pairs += rows * context;
     }
