@@ -41,3 +41,15 @@ def test_a_worker_late_from_the_last_job_cannot_claim_the_next(threads: int) -> 
 def test_every_index_runs_once_without_the_probe() -> None:
     for total, chunk in ((1, 1), (7, 2), (100, 1), (1000, 37)):
         assert native().pool_run_counts(total, chunk).eq(1).all()
+
+
+@pytest.mark.skipif(native() is None, reason="native kernels could not be built")
+def test_a_job_started_from_a_worker_runs_inline() -> None:
+    """A body that starts a job of its own, on a worker: it runs inline. It used to wait for the call lock,
+    which the caller holds until its job ends: a deadlock (no body does this yet)."""
+    script = ("import torch\nfrom titan.kernels.build import native\ntorch.set_num_threads(3)\n"
+              "print(int((native().pool_run_counts(64, 1, 5) != 5).sum()))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
+

@@ -254,3 +254,24 @@ def test_new_requests_start_at_the_servers_recent_acceptance() -> None:
         planner.record(decodes(1, 0.5)[0][0], 4, 0)
     assert planner.server_acceptance < 0.05
     assert planner.choose([(fresh, 64)]) == {}
+
+
+def test_drafts_shrink_to_the_free_slots_rather_than_preempt() -> None:
+    """A full pool where every decode's own token still fits: drafts that need a new block are cut to the
+    slots at hand, and nobody is preempted for them (the drafting sequence used to preempt the other one, or,
+    ranked lowest, itself, recomputing its whole prompt)."""
+    for drafter in (0, 1):
+        scheduler = Scheduler(SchedulerConfig(64, 4, policy="fcfs"), BlockManager(4, 4, enable_prefix_caching=False),
+                              64, frozenset(),
+                              speculation=SpeculationPlanner(SpeculativeConfig("ngram", 3, adaptive=False)))
+        seqs = [Sequence(list(range(100 * r, 100 * r + 6)), params(8), arrival_time=float(r)) for r in range(2)]
+        for seq in seqs:
+            scheduler.add(seq)
+        prefill = scheduler.schedule()  # 6 tokens each: two blocks each, and the pool is full
+        scheduler.commit(prefill, RunnerOutput(seq_ids=[s.seq_id for s in seqs], token_ids=[7, 7],
+                                               logprobs=[None, None]))
+        seqs[drafter].draft_token_ids = [1, 2, 3]  # positions 7-9: the last needs a third block
+        step = scheduler.schedule()
+        assert step.preempted_seq_ids == [] and scheduler.num_preemptions == 0
+        widths = {item.seq_id: item.num_new_tokens for item in step.scheduled}
+        assert widths == {seqs[drafter].seq_id: 2, seqs[1 - drafter].seq_id: 1}  # one draft: position 7

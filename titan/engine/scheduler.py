@@ -181,7 +181,11 @@ class Scheduler:
             return  # out of budget, or preempted as a victim earlier in this step
         num_new = self._chunk(step, seq, seq.num_computed_tokens)
         drafts = seq.draft_token_ids[:min(num_drafts, step.budget - num_new)] if num_new == 1 else []
-        if num_new > 0 and self._allocate_or_preempt(step, seq, num_new + len(drafts)):
+        # Drafts are optional: fewer of them, rather than preempt anyone (the drafting sequence included) for
+        # their slots; only the token every decode computes may preempt.
+        while drafts and not self.block_manager.allocate(seq, num_new + len(drafts)):
+            drafts = drafts[:-1]
+        if num_new > 0 and (drafts or self._allocate_or_preempt(step, seq, num_new)):
             step.add(self._scheduled(seq, num_new, drafts))
 
     def _chunk(self, step: StepBuilder, seq: Sequence, start: int) -> int:

@@ -303,12 +303,18 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
 }
 
 // How many times the pool ran each index of [0, total), cut into chunks of `chunk`: 1 everywhere, and at
-// return, or a claim ran twice or was still running (tests/test_kernel_pool.py).
-torch::Tensor pool_run_counts(int64_t total, int64_t chunk) {
+// return, or a claim ran twice or was still running (tests/test_kernel_pool.py). With `inner` > 0 each index
+// counts itself from a nested job of `inner` indices, which the pool runs inline: `inner` everywhere.
+torch::Tensor pool_run_counts(int64_t total, int64_t chunk, int64_t inner) {
     torch::Tensor counts = torch::zeros({total}, torch::kInt32);
     int32_t* c = counts.data_ptr<int32_t>();
-    parallel_chunks(total, chunk, [c](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; i++) __atomic_fetch_add(&c[i], 1, __ATOMIC_RELAXED);
+    parallel_chunks(total, chunk, [c, inner](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+            if (inner == 0) __atomic_fetch_add(&c[i], 1, __ATOMIC_RELAXED);
+            else parallel_chunks(inner, 1, [c, i](int64_t b, int64_t e) {
+                __atomic_fetch_add(&c[i], (int32_t)(e - b), __ATOMIC_RELAXED);
+            });
+        }
     });
     return counts;
 }
@@ -356,6 +362,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           no_gil);
     m.def("write_kv", &titan_write_kv, "key/value rows into their cache slots");
     m.def("pool_run_counts", &pool_run_counts, "runs of each index by the kernels' pool (a test of csrc/pool.cpp)",
-          py::arg("total"), py::arg("chunk"), no_gil);
+          py::arg("total"), py::arg("chunk"), py::arg("inner") = 0, no_gil);
     m.def("decode_stack", &decode_stack, "every decoder layer of a narrow step in one call (csrc/decoder.h)", no_gil);
 }

@@ -31,6 +31,10 @@ int64_t microseconds_from_env(const char* name, int64_t fallback) {
 // under the last job's ticket every time instead of ~2 jobs in a million (tests/test_kernel_pool.py).
 const int64_t g_probe_us = microseconds_from_env("TITAN_POOL_RACE_PROBE_US", 0);
 
+// A body that calls parallel_chunks runs that job inline: on the calling thread, set for the job; on a worker,
+// always (a worker waiting for the call lock, which the caller holds until its job ends, would never return).
+thread_local bool t_in_job = false;
+
 // A ticket's chunk index once its job is over: no count of chunks reaches it, so no claim on it succeeds.
 constexpr uint64_t CLOSED = 0xFFFFFFFFu;
 
@@ -101,6 +105,7 @@ class Pool {
     }
 
     void work() {
+        t_in_job = true;
         uint64_t seen = 0;
         for (;;) {
             const auto until = std::chrono::steady_clock::now() + spin_;
@@ -145,7 +150,6 @@ std::mutex g_call_mutex;
 // Never destroyed: at process exit a daemon thread (the server's engine thread) may still be inside a job,
 // and a pool torn down by static destructors under it would be freed memory. The OS ends its threads.
 Pool* g_pool = nullptr;
-thread_local bool t_in_job = false;  // a body that calls parallel_chunks runs that job inline
 
 }  // namespace
 
