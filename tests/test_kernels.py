@@ -452,3 +452,16 @@ def test_a_block_of_tiny_activations_rounds_to_zeros(isa: str) -> None:
     wide = NATIVE.gemm(x, weight.data, weight.ggml_type, 64, 8, False, False)
     for product in (narrow, wide):
         assert torch.allclose(product, expected, rtol=1e-2, atol=1e-2)
+
+
+@NEEDS_NATIVE
+def test_a_weight_the_kernels_cannot_read_is_an_error() -> None:
+    """Q5_0 (no kernel) used to fall through the dispatch and return the uninitialised output; rows narrower
+    than in_features were read past their end."""
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="not one the kernels compute on"):
+        NATIVE.gemv(x, torch.zeros(16, 44, dtype=torch.uint8), int(Q.Q5_0), 64, False)
+    with pytest.raises(RuntimeError, match="takes 68"):  # Q8_0 x 64: two blocks of 34 bytes
+        NATIVE.gemv(x, torch.zeros(16, 34, dtype=torch.uint8), int(Q.Q8_0), 64, False)
+    with pytest.raises(RuntimeError, match="not one the kernels compute on"):  # a K-quant needs blocks of 256
+        NATIVE.dequantize(torch.zeros(4, 144, dtype=torch.uint8), int(Q.Q4_K), 128)

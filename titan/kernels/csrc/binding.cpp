@@ -83,10 +83,34 @@ std::vector<std::string> cpu_features() {
     return found;
 }
 
-void check_weight(const torch::Tensor& w, int64_t K) {
+// Bytes of a row of K elements of `type`, or 0 for a type the kernels do not compute on (or a width that is
+// not whole blocks of it).
+int64_t row_bytes_of(int64_t type, int64_t K) {
+    int64_t block = 32, bytes;
+    switch (type) {
+        case GGML_F32: bytes = 128; break;
+        case GGML_F16: case GGML_BF16: bytes = 64; break;
+        case GGML_Q4_0: bytes = 18; break;
+        case GGML_Q4_1: bytes = 20; break;
+        case GGML_Q8_0: bytes = 34; break;
+        case GGML_Q4_K: block = 256, bytes = 144; break;
+        case GGML_Q5_K: block = 256, bytes = 176; break;
+        case GGML_Q6_K: block = 256, bytes = 210; break;
+        default: return 0;
+    }
+    return K % block == 0 ? K / block * bytes : 0;
+}
+
+// An unsupported type fell through the kernels' dispatch and returned the uninitialised output, and a row
+// narrower than K blocks was read past its end: both are errors now.
+void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
     TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "quantized weight must be a contiguous CPU uint8 [rows, row_bytes] tensor");
     TORCH_CHECK(K > 0 && K % 32 == 0, "in_features must be a positive multiple of 32");
+    const int64_t expected = row_bytes_of(type, K);
+    TORCH_CHECK(expected > 0, "GGML type ", type, " with ", K, " in_features is not one the kernels compute on");
+    TORCH_CHECK(w.size(1) == expected, "rows of ", w.size(1), " bytes, but GGML type ", type, " x ", K,
+                " in_features takes ", expected);
 }
 
 // Rows of output per task: enough work to amortize scheduling, enough tasks to balance the threads.
@@ -165,7 +189,7 @@ void dequant_rows(const KernelTable& t, int64_t type, const uint8_t* w, int64_t 
 
 // The weight interleaved by 8 rows (interleave.h) for the narrow-step kernels, as a new tensor.
 torch::Tensor interleave(const torch::Tensor& w, int64_t type, int64_t K) {
-    check_weight(w, K);
+    check_weight(w, type, K);
     TORCH_CHECK(interleavable((int32_t)type) && table().gemv_x8 != nullptr,
                 "interleaved kernels cover Q4_0, Q4_1 and Q8_0 on AVX2 / AVX-512 only");
     TORCH_CHECK(w.size(0) % 8 == 0, "interleaving needs a multiple of 8 rows, not ", w.size(0));
@@ -192,7 +216,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
 
 // x [M, K] float32 times weight [N, K]^T -> [M, N]; every weight byte read from memory once.
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K, bool interleaved) {
-    check_weight(w, K);
+    check_weight(w, type, K);
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1,
                 "x must be float32 [M, in_features] with unit inner stride");
     const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
@@ -251,7 +275,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
 // The whole weight (rows == None) or the given rows, dequantized to float32 [rows, K].
 torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const c10::optional<torch::Tensor>& rows,
                          bool interleaved) {
-    check_weight(w, K);
+    check_weight(w, type, K);
     const int64_t row_bytes = w.size(1);
     const int64_t* rp = nullptr;
     torch::Tensor ids;
@@ -279,7 +303,7 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t type, int64_t K, const 
 // one GEMM per tile, in float32 or, where the caller chose it, bfloat16.
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t K, int64_t tile_rows,
                    bool use_bf16, bool interleaved) {
-    check_weight(w, K);
+    check_weight(w, type, K);
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [M, in_features]");
     const int64_t M = x.size(0), N = w.size(0), row_bytes = w.size(1);
     auto y = torch::empty({M, N}, x.options());
