@@ -5,6 +5,7 @@ after, 503 and refused connections, health-based leave/rejoin, /v1/models, disco
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 import time
@@ -15,6 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
+from harness.router import RouterProcess
 from harness.server import free_port
 from titan.bench.metrics_scraper import parse_prometheus_text
 from titan.entrypoints.cli import main as cli_main
@@ -59,6 +61,7 @@ class Backend:
         self.mode = "ok"
         self.ready = True
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[bytes, bytes]] = []
         self.release = threading.Event()
         self.client_left = threading.Event()
 
@@ -77,7 +80,12 @@ class Backend:
                 body += message.get("body", b"")
                 if not message.get("more_body"):
                     break
-            request = json.loads(body)
+            self.headers.append(dict(scope["headers"]))
+            try:
+                request = json.loads(body)
+            except (ValueError, RecursionError):
+                await self.reply(send, 400, {"error": {"message": "not JSON", "code": "invalid_json"}})
+                return
             self.requests.append(request)
             await self.complete(request, receive, send)
         else:
@@ -92,6 +100,15 @@ class Backend:
         if self.mode == "503":
             await self.reply(send, 503, {"error": {"message": "The server is shutting down.", "code": "shutting_down"}})
             return
+        if self.mode == "gzip-503":  # another server behind the router, fronted by a compressing proxy
+            body = gzip.compress(json.dumps({"error": {"message": "busy", "code": "busy"}}).encode())
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"content-encoding", b"gzip")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if self.mode == "silent":  # a generation slower than the router's read timeout
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
         if not request.get("stream"):
             if self.mode == "die-before-body":
                 await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -235,6 +252,50 @@ def test_nothing_is_retried_after_streaming_began(cluster: Callable[..., Any]) -
     assert metric(router, "titan_router:requests_total") == 1  # one attempt only
     assert metric(router, "titan_router:errors_total", reason="stream") == 1
     assert metric(router, "titan_router:retries_total") == 0
+
+
+def test_a_read_timeout_is_a_504_and_not_run_again_elsewhere(cluster: Callable[..., Any]) -> None:
+    """The request reached the backend, which may be generating it still: sent to another, a slow generation
+    ran twice and the client got a 502 after twice the timeout."""
+    router, backends, _ = cluster(2, read_timeout=0.5)
+    for backend in backends:
+        backend.mode = "silent"
+    try:
+        reply = complete(router)
+        assert reply.status_code == 504 and reply.json()["error"]["code"] == "backend_timeout"
+        assert sum(len(backend.requests) for backend in backends) == 1
+        assert metric(router, "titan_router:retries_total") == 0
+    finally:
+        for backend in backends:
+            backend.release.set()
+
+
+def test_bodies_the_router_cannot_read_are_the_backends_business(cluster: Callable[..., Any]) -> None:
+    """JSON nested past the parser's depth used to crash the router's routing-key parse (a plain-text 500);
+    a gzip-encoded error passed on decoded but still labelled gzip, which the client could not read."""
+    router, backends, _ = cluster(1, retries=0)
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    reply = httpx.post(router + "/v1/completions", content=deep, timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
+    assert reply.headers["x-titan-router-backend"] == "b0"
+    backends[0].mode = "gzip-503"
+    reply = complete(router)
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "busy"
+
+
+def test_the_router_appends_its_real_peer_to_x_forwarded_for() -> None:
+    """`titan router` as served: uvicorn replaced a 127.0.0.1 peer by the header's last hop, which the router
+    then appended a second time (1.1.1.1 arrived as "1.1.1.1, 1.1.1.1")."""
+    backend = Backend("b0")
+    server = ServerThread(backend).start()
+    try:
+        with RouterProcess([server.url], ["--policy", "round-robin"]) as router:
+            reply = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"},
+                               headers={"X-Forwarded-For": "1.1.1.1"}, timeout=30)
+            assert reply.status_code == 200
+    finally:
+        server.stop()
+    assert backend.headers[-1][b"x-forwarded-for"] == b"1.1.1.1, 127.0.0.1"
 
 
 def test_503_and_refused_connections_go_elsewhere_and_leave_the_pool(cluster: Callable[..., Any]) -> None:

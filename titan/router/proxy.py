@@ -63,6 +63,8 @@ class Failure:
     reason: str  # errors_total's label
     detail: str
     answer: PlainResponse | None = None  # the backend's own answer (a 503), passed on if nobody else can
+    # False once the backend may be generating: a read timeout, where another backend would run it all again
+    retryable: bool = True
 
 
 class ClientGone(Exception):
@@ -204,6 +206,8 @@ class Proxy:
                 return result
             failure = result
             answer = result.answer or answer
+            if not failure.retryable:
+                break
         if failure is None:
             self.metrics.unrouted.labels("no_backend").inc()
             return PlainResponse.error(HTTPStatus.SERVICE_UNAVAILABLE, "No backend is ready to take the request.",
@@ -211,6 +215,10 @@ class Proxy:
         self.metrics.unrouted.labels("failed").inc()
         if answer is not None:  # a backend's own "try again" says more than a generic 502
             return answer
+        if not failure.retryable:
+            return PlainResponse.error(HTTPStatus.GATEWAY_TIMEOUT,
+                                       f"The backend {failure.backend.name} sent nothing within --read-timeout: "
+                                       f"{failure.detail}", "backend_timeout")
         return PlainResponse.error(HTTPStatus.BAD_GATEWAY,
                                    f"The backend {failure.backend.name} failed before responding: {failure.detail}",
                                    "backend_failed")
@@ -225,7 +233,9 @@ class Proxy:
              answer: PlainResponse | None = None) -> Failure:
         detail = error if isinstance(error, str) else f"{type(error).__name__} {error}".strip()
         self.metrics.errors.labels(backend.name, reason).inc()
-        return Failure(backend, reason, detail, answer)
+        # A read timeout: the request reached the backend, which may be generating it still. Sent again, a
+        # slow generation ran twice (both aborted) and the client got a 502 after twice the timeout.
+        return Failure(backend, reason, detail, answer, retryable=not isinstance(error, httpx.ReadTimeout))
 
     async def attempt(self, backend: Backend, method: str, target: str, headers: list[tuple[bytes, bytes]],
                       body: bytes, predicted_ttft: float | None = None) -> PassThrough | Failure:
@@ -254,8 +264,9 @@ class Proxy:
                     content = b""
                 if response.status_code == HTTPStatus.SERVICE_UNAVAILABLE:
                     self.health.eject(backend, "answered 503")
+                # aread() decoded the body: a Content-Encoding passed on would have the client decode it again.
                 answer_headers = [(name.lower(), value) for name, value in response.headers.raw
-                                  if name.lower() not in HOP_BY_HOP]
+                                  if name.lower() not in HOP_BY_HOP and name.lower() != b"content-encoding"]
                 answer = PlainResponse(response.status_code, content,
                                        [*answer_headers, (BACKEND_HEADER, backend.name.encode())])
                 return self.fail(backend, f"http_{response.status_code}", f"answered {response.status_code}", answer)

@@ -122,7 +122,7 @@ def routing_info(path: str, body: bytes, prefix_chars: int, chunk_chars: int, bl
         return RoutingInfo()
     try:
         parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested past the parser's depth: the backend's 400
         return RoutingInfo()
     if not isinstance(parsed, dict):
         return RoutingInfo()

@@ -54,6 +54,9 @@ def run_router(config: RouterConfig) -> int:
         app, host=config.host, port=config.port, log_config=None, access_log=config.access_log, lifespan="on",
         # The backend's own Date and Server headers pass through; uvicorn must not add a second pair.
         server_header=False, date_header=False, timeout_graceful_shutdown=max(1, round(config.drain_timeout)),
+        # The peer as it is: uvicorn's X-Forwarded-For rewrite of the client (for 127.0.0.1 peers) made the
+        # router append the last hop a second time and lose its real peer.
+        proxy_headers=False,
     )
     server = _Server(uvicorn_config)
     names = ", ".join(f"{spec.name}={spec.url}" for spec in config.backends) or "none static"
