@@ -155,10 +155,12 @@ class PassThrough:
         if self.closed:
             return
         self.closed = True
-        await close_response(self.response, self.chunks)
-        if self.completed:
-            self.metrics.duration.labels(self.backend.name).observe(time.perf_counter() - self.started)
-        self.release(self.backend)  # last: releasing a backend that left the pool drops its series
+        try:
+            await close_response(self.response, self.chunks)
+        finally:  # also when cancelled mid-close (the client's disconnect): the backend's count must not leak
+            if self.completed:
+                self.metrics.duration.labels(self.backend.name).observe(time.perf_counter() - self.started)
+            self.release(self.backend)  # last: releasing a backend that left the pool drops its series
 
 
 async def close_response(response: httpx.Response, chunks: AsyncIterator[bytes] | None) -> None:
