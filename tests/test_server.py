@@ -526,3 +526,25 @@ def test_openapi_declares_request_bodies_and_error_responses(server: ServerProce
     assert all(ref.rsplit("/", 1)[1] in schemas for ref in refs(document))  # every reference resolves
     docs = httpx.get(server.url + "/docs", timeout=30)
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_logprob_offsets_echo_and_bytes_follow_the_text(client: openai.OpenAI, model_name: str) -> None:
+    """Three ways the logprobs and echo once disagreed with the text: streamed offsets moved with the released
+    text (a held-back stop string, a character split over tokens) where the whole response's follow the tokens;
+    echo dropped a text prompt's special tokens; chat `bytes` of a token holding part of a character were the
+    replacement character's."""
+    cases = [{"prompt": "Translate to Chinese: good morning. 中文:"},
+             {"prompt": "The capital of France is", "stop": ["Paris is"]}]
+    for case in cases:
+        body = {"model": model_name, "max_tokens": 8, "temperature": 0, "logprobs": 1, **case}
+        whole = client.completions.create(**body).choices[0].logprobs.text_offset
+        streamed = [offset for chunk in client.completions.create(**body, stream=True) if chunk.choices
+                    and chunk.choices[0].logprobs for offset in chunk.choices[0].logprobs.text_offset]
+        assert streamed == whole, case
+    prompt = "<|im_start|>user\nCafé 日本<|im_end|>\n"
+    echoed = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(prompt)
+    chat = client.chat.completions.create(model=model_name, messages=[
+        {"role": "user", "content": "Say 中国 in Chinese only."}], max_tokens=8, temperature=0, logprobs=True)
+    content = chat.choices[0].logprobs.content
+    assert b"".join(bytes(entry.bytes) for entry in content) == chat.choices[0].message.content.encode()

@@ -46,7 +46,16 @@ class CompletionRoute(GenerationRoute):
             else:
                 check_token_ids(prompt, info.vocab_size)
                 prompt_ids.append(list(prompt))
+        whole = [len(ids) for ids in prompt_ids]
         prompt_ids = [body.truncate(ids, info.max_model_len) for ids in prompt_ids]
+        if body.echo:
+            # A text prompt echoes as sent (vLLM's rule); token ids, or a text cut by truncate_prompt_tokens,
+            # decode with their special tokens ("<|im_start|>user" came back as "user").
+            self.echoes = [prompt if isinstance(prompt, str) and len(ids) == length
+                           else info.tokenizer.decode(ids, skip_special_tokens=False)
+                           for prompt, ids, length in zip(body.prompts(), prompt_ids, whole, strict=True)]
+        else:
+            self.echoes = [""] * len(prompt_ids)
         choices = []
         # echo + logprobs scores the prompt too (log-likelihood evaluation); max_tokens 0 then runs one token
         # that is never shown.
@@ -60,7 +69,6 @@ class CompletionRoute(GenerationRoute):
                 params = body.sampling_params(max_tokens, body.logprobs, sample, info.vocab_size, prompt_logprobs,
                                               info.sampling_defaults, banned)
                 choices.append(Choice(prompt_index * body.n + sample, prompt_index, token_ids, params))
-        self.echoes = [info.tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
         return Prepared(choices, sum(len(ids) for ids in prompt_ids))
 
     def opening(self, prepared: Prepared) -> list[dict[str, Any]]:
@@ -80,8 +88,11 @@ class CompletionRoute(GenerationRoute):
         if self.body.scores_prompt_only:  # the one token run to score the prompt is never shown
             entries, new_text = [], ""
         offset = self.text_offsets[choice.index]
-        self.text_offsets[choice.index] = offset + len(new_text)
         logprobs = legacy_logprobs(self.texts, entries, offset) if self.texts is not None and entries else None
+        # Offsets follow the tokens' texts, as the whole response's do: the released text lags them while a
+        # possible stop string is held back, and a character split over tokens is released once.
+        if logprobs is not None:
+            self.text_offsets[choice.index] = offset + sum(len(token) for token in logprobs["tokens"])
         extras: dict[str, Any] = {}
         if first:
             # The prompt's logprobs come with the first token: echo + logprobs sends the prompt's text here,

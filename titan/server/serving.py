@@ -235,7 +235,7 @@ class TokenTexts:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def bytes(self, token_id: int) -> list[int]:
-        return list(self.text(token_id).encode("utf-8"))
+        return list(self.tokenizer.token_bytes(token_id))
 
 
 class TokenIdTexts(TokenTexts):

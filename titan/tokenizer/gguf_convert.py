@@ -155,7 +155,7 @@ class _TokenizerMetadata:
         return None if token_id is None else self.tokens[token_id]
 
 
-def _byte_level_alphabet() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table (bytes that print as themselves keep their character)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
@@ -169,7 +169,7 @@ def _byte_level_alphabet() -> dict[int, str]:
 
 
 def _byte_level_bpe(metadata: _TokenizerMetadata) -> tuple[BackendTokenizer, bool]:
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
     for index, (token, token_type) in enumerate(zip(metadata.tokens, metadata.token_types, strict=False)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -10,6 +11,7 @@ from typing import Any
 from tokenizers import Tokenizer as BackendTokenizer
 
 from titan.tokenizer.chat_template import render_chat_template
+from titan.tokenizer.gguf_convert import byte_level_alphabet
 
 
 class Tokenizer:
@@ -111,6 +113,18 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (OpenAI's logprobs `bytes`): a token holding part of a character is
+        its own bytes, where decoding it alone gives the replacement character's."""
+        piece = self.id_to_token(token_id)
+        if piece is not None and type(self.backend.decoder).__name__ == "ByteLevel":
+            byte_of = _byte_of_character()
+            if all(character in byte_of for character in piece):
+                return bytes(byte_of[character] for character in piece)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])  # SentencePiece's byte fallback
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. `Ġworld` in a byte-level vocabulary), or None if out of range."""
         return self.backend.id_to_token(token_id)
@@ -151,6 +165,12 @@ class Tokenizer:
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
+
+
+@functools.cache
+def _byte_of_character() -> dict[str, int]:
+    """A byte-level vocabulary's characters back to the bytes they print."""
+    return {character: byte for byte, character in byte_level_alphabet().items()}
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
