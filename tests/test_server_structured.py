@@ -506,6 +506,24 @@ def test_streamed_tool_calls_arrive_in_openai_chunks(client: openai.OpenAI) -> N
         json.loads(arguments[index]) for index in sorted(names)]
 
 
+def test_a_forced_call_cut_by_max_tokens_is_the_same_call_streamed_or_whole(client: openai.OpenAI) -> None:
+    """Whole, the cut call came back as its raw JSON in `content`; streamed, as a call with the arguments so far."""
+    ask = {"model": None, "messages": WEATHER_ASK, "tools": TOOLS, "max_tokens": 12, "temperature": 0,
+           "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    whole = client.chat.completions.create(**ask).choices[0]
+    streamed, reasons = {}, []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            reasons.append(choice.finish_reason)
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                name, arguments = streamed.get(delta.index, (delta.function.name, ""))
+                streamed[delta.index] = (name, arguments + (delta.function.arguments or ""))
+    assert whole.finish_reason == reasons[-1] == "length" and whole.message.content is None
+    assert [(call.function.name, call.function.arguments) for call in whole.message.tool_calls] == [
+        streamed[index] for index in sorted(streamed)]
+
+
 def test_auto_and_a_multi_turn_conversation_with_a_tool_result(client: openai.OpenAI) -> None:
     auto = client.chat.completions.create(model=None, messages=WEATHER_ASK, tools=TOOLS, max_tokens=60, temperature=0)
     message = auto.choices[0].message

@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 
 from titan.server.tool_stream import ToolCallStream
-from titan.server.tools import MAX_PARALLEL_TOOL_CALLS, constraint_for, parse_tool_calls, render_conversation
+from titan.server.tools import (
+    MAX_PARALLEL_TOOL_CALLS,
+    complete_call,
+    constraint_for,
+    parse_tool_calls,
+    render_conversation,
+)
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -28,7 +34,12 @@ def test_llama3_json_and_constrained_outputs() -> None:
     _, required = parse_tool_calls('[{"name": "f", "arguments": {}}, {"name": "f", "arguments": {"k": 2}}]',
                                    "required", "hermes")
     assert len(required) == 2
-    assert parse_tool_calls('[{"name": "f", "argu', "required", "hermes") == ('[{"name": "f", "argu', [])
+    # Cut short by max_tokens: the call as far as written, as the stream sends it (not the raw JSON as content).
+    content, cut = parse_tool_calls('[{"name": "f", "arguments": {"x": 2, "y', "required", "hermes")
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in cut] == [
+        ("f", '{"x": 2, "y')]
+    assert not complete_call(cut[0]) and all(complete_call(call) for call in required)
+    assert parse_tool_calls('[{"na', "required", "hermes") == (None, [])
     assert constraint_for([TOOL], "auto", True) is None
     schema = json.loads(constraint_for([TOOL], "required", False).spec)
     assert schema["minItems"] == 1 and schema["maxItems"] == 1

@@ -26,7 +26,13 @@ from titan.server.serving import (
     prompt_logprobs_field,
 )
 from titan.server.tool_stream import ToolCallStream
-from titan.server.tools import constraint_for, parse_tool_calls, render_conversation, template_knows_tools
+from titan.server.tools import (
+    complete_call,
+    constraint_for,
+    parse_tool_calls,
+    render_conversation,
+    template_knows_tools,
+)
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
@@ -98,7 +104,9 @@ class ChatRoute(GenerationRoute):
         content, calls = parse_tool_calls(output.text, self.tool_choice, self.tool_call_parser)
         if not calls:
             return {"role": "assistant", "content": content}, output.finish_reason
-        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        # As the stream's: `tool_calls` once a call is whole, else why it ended (a call cut short: `length`).
+        reason = "tool_calls" if any(complete_call(call) for call in calls) else output.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, reason
 
     def opening(self, prepared: Prepared) -> list[dict[str, Any]]:
         return [{"index": choice.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,

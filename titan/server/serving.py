@@ -245,6 +245,9 @@ class TokenIdTexts(TokenTexts):
     def _text(self, token_id: int) -> str:
         return f"token_id:{token_id}"
 
+    def bytes(self, token_id: int) -> list[int]:  # vLLM's: the bytes of that name
+        return list(self.text(token_id).encode("utf-8"))
+
 
 def prompt_logprobs_field(texts: TokenTexts, asked: int | None, output: RequestOutput) -> dict[str, Any]:
     """vLLM's `prompt_logprobs` entry of a choice: per prompt position, token id → logprob, rank, text."""

@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from titan.engine.structured import StructuredOutputs
+from titan.server.tool_stream import ToolCallStream
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -95,8 +96,8 @@ def parse_tool_calls(text: str, choice: str | dict[str, Any], parser: str) -> tu
     if choice == "required" or isinstance(choice, dict):
         try:
             parsed = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut short by max_tokens: no complete call
+        except json.JSONDecodeError:  # cut short by max_tokens: the call(s) as far as written, as streamed
+            return None, announced_calls(text, choice, parser)
         return None, [_openai_call(call["name"], call["arguments"]) for call in
                       (parsed if isinstance(parsed, list) else [parsed])]
     if parser == "llama3_json":
@@ -113,6 +114,29 @@ def parse_tool_calls(text: str, choice: str | dict[str, Any], parser: str) -> tu
         return text, []
     content = _HERMES_CALL.sub("", text).strip()
     return content or None, calls
+
+
+def announced_calls(text: str, choice: str | dict[str, Any], parser: str) -> list[dict[str, Any]]:
+    """The calls a stream of `text` sends: each once its name is complete, with the arguments written so far.
+    A forced call cut short by max_tokens came back whole as its raw JSON in `content`, streamed as a call."""
+    stream = ToolCallStream(choice, parser)
+    calls: dict[int, dict[str, Any]] = {}
+    for _, deltas in (stream.feed(text), stream.close()):
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], {"id": delta.get("id"), "type": "function",
+                                                     "function": {"name": delta["function"].get("name"),
+                                                                  "arguments": ""}})
+            call["function"]["arguments"] += delta["function"].get("arguments", "")
+    return [calls[index] for index in sorted(calls)]
+
+
+def complete_call(call: dict[str, Any]) -> bool:
+    """Whether a call's arguments are whole JSON (not cut short by max_tokens)."""
+    try:
+        json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _parse_llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:
