@@ -67,6 +67,10 @@ STREAM_CASES = [
     ('<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"q": 2}}', "auto",
      "llama3_json"),
     ('{"arguments": {"late": true}, "name": "f"}', "required", "hermes"),  # name after arguments: sent once known
+    # Read alike whole and streamed since stop 58 (each was a call streamed, plain content or {} whole):
+    ('<tool_call>{"name": "f", "arguments": {"x": 1}}', "auto", "hermes"),  # the model's end before the tag
+    ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', "auto", "hermes"),
+    ('Sure. <tool_call>{"name": "f", "arguments": {"x": 1}} ok</tool_call>', "auto", "hermes"),
 ]
 
 

@@ -11,14 +11,11 @@ so the arguments always parse; `auto` leaves the model free and parses what it w
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
 from titan.engine.structured import StructuredOutputs
 from titan.server.tool_stream import ToolCallStream
-
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 # `required` asks for a JSON array of calls; bounded, so a model repeating itself still ends the array.
 MAX_PARALLEL_TOOL_CALLS = 8
@@ -102,32 +99,34 @@ def parse_tool_calls(text: str, choice: str | dict[str, Any], parser: str) -> tu
                       (parsed if isinstance(parsed, list) else [parsed])]
     if parser == "llama3_json":
         return _parse_llama3(text)
-    calls = []
-    for match in _HERMES_CALL.finditer(text):
-        try:
-            parsed = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(parsed, dict) and isinstance(parsed.get("name"), str):
-            calls.append(_openai_call(parsed["name"], parsed.get("arguments", {})))
+    # Read as the stream reads it, so whole and streamed answers agree: a block the model left unclosed at its
+    # end, `parameters` for `arguments`, text after the object inside a block (each was a call streamed and
+    # plain content whole, or arguments {} whole).
+    content, calls = _read_stream(text, choice, parser)
     if not calls:
         return text, []
-    content = _HERMES_CALL.sub("", text).strip()
-    return content or None, calls
+    return content.strip() or None, calls
 
 
 def announced_calls(text: str, choice: str | dict[str, Any], parser: str) -> list[dict[str, Any]]:
     """The calls a stream of `text` sends: each once its name is complete, with the arguments written so far.
     A forced call cut short by max_tokens came back whole as its raw JSON in `content`, streamed as a call."""
+    return _read_stream(text, choice, parser)[1]
+
+
+def _read_stream(text: str, choice: str | dict[str, Any], parser: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content, calls) a stream of `text` sends, its deltas put together."""
     stream = ToolCallStream(choice, parser)
+    content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
-    for _, deltas in (stream.feed(text), stream.close()):
+    for piece, deltas in (stream.feed(text), stream.close()):
+        content.append(piece)
         for delta in deltas:
             call = calls.setdefault(delta["index"], {"id": delta.get("id"), "type": "function",
                                                      "function": {"name": delta["function"].get("name"),
                                                                   "arguments": ""}})
             call["function"]["arguments"] += delta["function"].get("arguments", "")
-    return [calls[index] for index in sorted(calls)]
+    return "".join(content), [calls[index] for index in sorted(calls)]
 
 
 def complete_call(call: dict[str, Any]) -> bool:
