@@ -18,6 +18,7 @@ PROMPT_CONTEXT_TOKENS = 5
 # A valid character needs at most 4 byte tokens; more pending tokens that still end in U+FFFD are
 # invalid bytes from the model, released as U+FFFD rather than growing the window without end.
 MAX_PENDING_TOKENS = 8
+MAX_CHARACTER_BYTES = 4  # UTF-8
 REPLACEMENT_CHARACTER = "\ufffd"
 
 
@@ -88,20 +89,36 @@ class IncrementalDetokenizer:
             return ""
         full_text = self._decode(self._token_ids[self._prefix_offset:])
         pending = len(self._token_ids) - self._read_offset
-        incomplete = full_text.endswith(REPLACEMENT_CHARACTER) and pending < MAX_PENDING_TOKENS
+        split = full_text.endswith(REPLACEMENT_CHARACTER)
         # No longer text: the new tokens show nothing yet (a skipped special token, a partial character).
-        if not final and (len(full_text) <= len(self._prefix_text) or incomplete):
+        if not final and (len(full_text) <= len(self._prefix_text) or (split and pending < MAX_PENDING_TOKENS)):
             return ""
+        end = len(self._token_ids)
+        if split and not final:
+            end, full_text = self._release_point(full_text)
         delta = full_text[len(self._prefix_text):]
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
-        self._prefix_text = self._decode(self._token_ids[self._prefix_offset:])
+        self._read_offset = end
+        self._prefix_text = self._decode(self._token_ids[self._prefix_offset:end])
         # Drop ids before the window so memory stays bounded for long generations.
         if self._prefix_offset > 0:
             del self._token_ids[:self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return delta
+
+    def _release_point(self, full_text: str) -> tuple[int, str]:
+        """Where to cut a window of invalid bytes from the model, released as U+FFFD, and the text before it.
+        The last tokens may still begin a valid character (at most 3 of its bytes can be here yet), so the cut
+        leaves them pending; and it falls between characters, where the two sides decode to the whole (cut
+        inside a character, or before a character's last byte arrived, its U+FFFD stayed in the text)."""
+        ids = self._token_ids
+        latest = len(ids) - (MAX_CHARACTER_BYTES - 1)
+        for end in range(latest, self._read_offset, -1):
+            head = self._decode(ids[self._prefix_offset:end])
+            if head + self._decode(ids[end:]) == full_text:
+                return end, head
+        return latest, self._decode(ids[self._prefix_offset:latest])  # a decoder that is not split-invariant
 
     def _add_text(self, delta: str, final: bool) -> str:
         if not delta and not final:
