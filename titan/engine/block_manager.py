@@ -75,6 +75,11 @@ class BlockManager:
         return len(self.free_blocks)
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens the whole cache holds: the most one sequence can ever hold."""
+        return self.num_blocks * self.block_size
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by live sequences (cached but unreferenced blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks

@@ -173,7 +173,7 @@ class LLMEngine:
     def info(self) -> EngineInfo:
         return EngineInfo(self.model_name, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                           self.grammars, MappingProxyType(self.sampling_defaults),
-                          self.num_blocks * self.block_manager.block_size)
+                          self.block_manager.num_tokens)
 
     def warmup(self) -> None:
         """Drive the largest shapes once, then settle the garbage collector (see gc_discipline)."""

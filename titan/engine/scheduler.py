@@ -76,7 +76,7 @@ class Scheduler:
         refuse every such request."""
         max_tokens = seq.sampling_params.max_tokens
         if max_tokens is None:
-            return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+            return min(self.max_model_len, self.block_manager.num_tokens)
         return min(seq.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def check_admissible(self, seq: Sequence) -> None:
@@ -87,7 +87,7 @@ class Scheduler:
                 f"the prompt has {seq.num_prompt_tokens} tokens, but this model's context is "
                 f"{self.max_model_len} tokens and at least one must be left to generate"
             )
-        cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        cache_tokens = self.block_manager.num_tokens
         if seq.num_prompt_tokens >= cache_tokens:  # no max_tokens helps: name the prompt
             raise RequestRejectedError(
                 f"the prompt has {seq.num_prompt_tokens} tokens, but the whole KV cache holds {cache_tokens} "

@@ -216,9 +216,8 @@ class SloPlanner:
         if not prompt_tokens and queued:
             prompt_tokens = sum(prefill.remaining_tokens for prefill in queued) / len(queued)
             prompt_start = queued_start(queued)
-        kv_cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         return full_batch_step(model, typical, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                               prompt_tokens, mean_output, prompt_start, kv_cache_tokens)
+                               prompt_tokens, mean_output, prompt_start, self.block_manager.num_tokens)
 
     def _idle_step_bound(self, model: StepCostModel) -> float | None:
         """A step with nobody mid-stream has no token gap to protect, but a request arriving while it runs

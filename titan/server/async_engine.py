@@ -294,7 +294,7 @@ class AsyncEngine:
         try:
             started = time.perf_counter()
             engine = self._factory()
-            engine.admission.bound_queue_by_kv_pool(engine.num_blocks * engine.config.cache.block_size)
+            engine.admission.bound_queue_by_kv_pool(engine.block_manager.num_tokens)
             self.load_seconds = time.perf_counter() - started
             self.metrics = self._metrics_factory(engine)
             if self._warmup:
