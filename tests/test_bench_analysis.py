@@ -84,6 +84,9 @@ def test_goodput_counts_exactly() -> None:
     assert goodput(results, Slo.parse("tpot=100"), 2.0)["good"] == 3
     assert goodput(results, Slo.parse("e2e=600"), 4.0) == {
         "slo_ms": {"e2e": 600.0}, "good": 1, "total": 4, "attainment": 0.25, "goodput_rps": 0.25}
+    # One output token has no time per token after the first: it meets a tpot bound (it missed every one).
+    single = stream(4, 0.0, 0.05, 1)
+    assert single.tpot is None and goodput([single], Slo.parse("ttft=100,tpot=100"), 1.0)["good"] == 1
 
 
 def test_windowed_percentiles_counts_and_empty_windows() -> None:

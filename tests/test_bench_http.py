@@ -7,6 +7,7 @@ streams with known stalls, errors and broken SSE, which the tool must count and 
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -272,6 +273,11 @@ def test_duration_mode_stops_sending(server: OpenAITestServer) -> None:
     data = run(config, workload, ArrivalProcess(rate=20.0, seed=4))
     assert 3 <= len(data.results) <= 25
     assert max(result.scheduled_at for result in data.results) < 0.5
+    # An open loop sends all its schedule holds: a burst due just before the end was dropped whenever the
+    # sleep overshot the duration, so two servers driven with one seed got different requests.
+    burst = ArrivalProcess(rate=0.001, burst_size=5, burst_interval=0.4995, seed=0)
+    due = list(itertools.takewhile(lambda offset: offset < 0.5, burst.offsets()))
+    assert len(due) >= 5 and len(run(config, workload, burst).results) == len(due)
 
 
 def test_stall_becomes_an_attributed_spike_and_plots_are_written(server: OpenAITestServer, tmp_path: Path) -> None:

@@ -208,8 +208,12 @@ async def _drive(config: RunConfig, workload: Workload, arrivals: ArrivalProcess
                         break
                     if semaphore is not None and not await _wait(stop, semaphore.acquire()):
                         break
-                    if config.duration is not None and time.perf_counter() - start >= config.duration:
+                    if (semaphore is not None and config.duration is not None
+                            and time.perf_counter() - start >= config.duration):
                         break  # a closed loop can fall behind its schedule; the duration still ends it
+                    # (An open loop sends everything its schedule holds: checked there too, a request due just
+                    # before the end was dropped whenever the sleep overshot, and two servers driven with the
+                    # same seed got different requests.)
                     result = RequestResult(index, spec.request_class, spec.input_tokens, spec.max_tokens, offset)
                     results.append(result)
                     task = asyncio.create_task(one(result, body))
