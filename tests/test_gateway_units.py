@@ -101,6 +101,31 @@ def test_replay_rebuilds_chat_and_completion_streams() -> None:
     text = list(replay_chunks("text_completion", [{"index": 1, "text": "abc", "logprobs": None,
                                                    "finish_reason": "length"}]))
     assert [c["text"] for c in text] == ["abc", ""] and text[-1]["finish_reason"] == "length"
+    # vLLM's prompt_logprobs ride on the first chunk with output, replayed as live (a hit dropped them).
+    scored = [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "logprobs": None,
+               "finish_reason": "stop", "prompt_logprobs": [None, {"7": {"logprob": -1.0}}]}]
+    chunks = list(replay_chunks("chat.completion.chunk", scored))
+    assert [c.get("prompt_logprobs") for c in chunks] == [None, scored[0]["prompt_logprobs"], None]
+    assert chunks[1]["delta"]["content"] == "Hi"
+
+
+def test_blocklist_words_match_whole_whatever_their_ends_and_spacing(tmp_path: Path) -> None:
+    """`\\b` beside "C++" or "secret!" never matched, and "Project Falcon" only with one plain space. The
+    output rules' digest keys the caches: a reply stored under other rules is not served under these."""
+    path = tmp_path / "guardrails.yaml"
+    path.write_text('output: [{filter: blocklist, words: ["secret!", "C++", "Project Falcon"], action: redact}]')
+    rules = load_guardrails(path)
+    text = "The code is secret! We use C++ daily. Project\nFalcon and Project  Falcon; C++11 and notsecret! too."
+    for size in (1, 3, len(text)):
+        filt = OutputFilter(rules.output)
+        for start in range(0, len(text), size):
+            filt.feed(text[start:start + size], final=False)
+        filt.feed("", final=True)
+        # "C++" ends in no word character, so no boundary after it; "secret!" starts in one.
+        assert filt.text == ("The code is [REDACTED:blocklist] We use [REDACTED:blocklist] daily. [REDACTED:blocklist]"
+                             " and [REDACTED:blocklist]; [REDACTED:blocklist]11 and notsecret! too."), size
+    path.write_text('output: [{filter: blocklist, words: ["secret!"], action: block}]')
+    assert load_guardrails(path).output_digest != rules.output_digest
 
 
 GUARDRAILS = """

@@ -191,6 +191,16 @@ def test_concurrent_limit_is_a_429_while_a_stream_runs(server: ServerProcess) ->
     assert complete(server, SINGLE, max_tokens=1).status_code == 200
 
 
+def test_a_timeline_asked_for_by_header_is_never_a_cache_hit_without_it(server: ServerProcess) -> None:
+    """The body's titan_timeline kept a request out of the result cache, the header did not: the second
+    request was a hit, and its reply had no timeline."""
+    replies = [httpx.post(server.url + "/v1/completions", timeout=300, json={
+        "prompt": "Name a planet.", "max_tokens": 4, "temperature": 0},
+        headers={"Authorization": f"Bearer {ALPHA}", "X-Titan-Timeline": "1"}) for _ in range(2)]
+    assert all("titan_timeline" in reply.json()["choices"][0] for reply in replies)
+    assert all(reply.headers.get("x-titan-cache") != "hit" for reply in replies)
+
+
 def test_a_kv_cache_smaller_than_the_context(server: ServerProcess) -> None:
     """--kv-cache-memory 0.05 holds ~2,300 tokens of the 8,192-token context: a request without max_tokens runs
     until the cache is full (it was refused, max_tokens filled to the context), and a prompt the cache cannot

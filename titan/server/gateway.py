@@ -28,7 +28,7 @@ from titan.server.errors import APIError
 from titan.server.gateway_metrics import GatewayMetrics
 from titan.server.guardrails import FLAG_HEADER, Guardrails, OutputFilter, check_input
 from titan.server.result_cache import CACHE_HEADER, cache_key, decode_entry, deterministic, encode_entry
-from titan.server.serving import PRIORITY_CLASSES
+from titan.server.serving import PRIORITY_CLASSES, wants_timeline
 from titan.server.tenant_quota import Quota
 from titan.server.tenants import RequestQuota, Tenant, quota_of, tenant_of
 
@@ -121,11 +121,16 @@ class Gateway:
                                "(the ids would reveal filtered text)", param="return_token_ids",
                                code="unsupported_parameter")
             plan.filters = {choice.index: OutputFilter(self.guardrails.output) for choice in prepared.choices}
-        # A stored reply keeps its choices' text, not the token ids a return_token_ids request wants back.
-        opted_out = getattr(body, "titan_cache", None) is False or body.return_token_ids
-        cacheable = (not opted_out and not body.titan_timeline
-                     and all(deterministic(choice.params) for choice in prepared.choices))
+        # A stored reply keeps its choices' text, not the token ids a return_token_ids request wants back, nor
+        # the timeline asked for in the body or by header (by header, a hit came back without it).
+        opted_out = (getattr(body, "titan_cache", None) is False or body.return_token_ids
+                     or wants_timeline(body.titan_timeline, request.headers))
+        cacheable = not opted_out and all(deterministic(choice.params) for choice in prepared.choices)
         scope = "*" if self.shared or tenant is None else f"tenant:{tenant.name}"
+        if self.guardrails is not None and self.guardrails.output:
+            # Replies stored under other output rules (a restart, a replica sharing the Redis) are not these
+            # rules' replies: a hit skipped the filters and served what they would block.
+            scope += f"|output-rules:{self.guardrails.output_digest}"
         if self.store is not None:
             if not cacheable:
                 self.metrics.cache_requests.labels("result", "skip").inc()
@@ -261,6 +266,8 @@ class RequestPlan:
         reasons = {choice.get("finish_reason") for choice in choices}
         if "abort" in reasons or None in reasons:
             return  # its waiters, if any, compute on their own once the request has ended (FlightRelease)
+        if any(choice.get("titan_degraded") for choice in choices):
+            return  # admission cut its max_tokens under load: not the reply the request asked for
         stored = [{k: v for k, v in choice.items() if k not in ("titan_timeline", "titan_degraded")}
                   for choice in choices]
         if self.flight is not None and self.gateway.flights is not None:

@@ -26,6 +26,8 @@ would block or redact ever reaches a chunk.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,10 +119,19 @@ def build_rule(entry: dict[str, Any], stage: str) -> Rule:
         words = entry.get("words")
         if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
             raise GuardrailsConfigError(f"{stage} filter blocklist needs a non-empty list of words")
-        pattern, check = r"\b(?:" + "|".join(regex.escape(w.strip()) for w in words) + r")\b", _always
+        pattern, check = "|".join(blocklist_pattern(word) for word in words), _always
     else:
         raise GuardrailsConfigError(f"{stage}: unknown filter {kind!r}")
     return Rule(str(entry.get("name", kind)), regex.compile(pattern, flags), check, action)
+
+
+def blocklist_pattern(word: str) -> str:
+    """A blocklisted word or phrase as a whole word: any run of whitespace between its words, and a word
+    boundary only at an end that is a word character (`\\b` beside "C++" or "secret!" never matched)."""
+    body = r"\s+".join(regex.escape(part) for part in word.split())
+    start = r"(?<!\w)" if regex.match(r"\w", word.strip()) else ""
+    end = r"(?!\w)" if regex.search(r"\w$", word.strip()) else ""
+    return f"(?:{start}{body}{end})"
 
 
 def api_key_pattern(entry: dict[str, Any]) -> str:
@@ -140,6 +151,8 @@ def api_key_pattern(entry: dict[str, Any]) -> str:
 class Guardrails:
     input: tuple[Rule, ...] = ()
     output: tuple[Rule, ...] = ()
+    output_digest: str = ""  # of the output rules as configured: part of the caches' keys
+
 
 
 def load_guardrails(path: str | Path) -> Guardrails:
@@ -155,7 +168,8 @@ def load_guardrails(path: str | Path) -> Guardrails:
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise GuardrailsConfigError(f"{stage} must be a list of filters")
         stages[stage] = tuple(build_rule(entry, stage) for entry in entries)
-    return Guardrails(stages["input"], stages["output"])
+    configured = json.dumps(document.get("output") or [], sort_keys=True, default=str)
+    return Guardrails(stages["input"], stages["output"], hashlib.sha256(configured.encode()).hexdigest()[:16])
 
 
 @dataclass(frozen=True)
@@ -173,12 +187,13 @@ def growing(rule: Rule, text: str, start: int, end: int) -> int | None:
     return next((q for q in range(start, end + 1) if rule.pattern.fullmatch(text, q, partial=True)), None)
 
 
-def scan(rules: tuple[Rule, ...], text: str, final: bool) -> tuple[list[Match], int]:
-    """Complete matches in `text`, and where text must be held back from (len(text): nothing held)."""
+def scan(rules: tuple[Rule, ...], text: str, final: bool, start: int = 0) -> tuple[list[Match], int]:
+    """Complete matches in `text` from `start` (what comes before is context a lookbehind sees), and where
+    text must be held back from (len(text): nothing held)."""
     hold = len(text)
     found: list[Match] = []
     for rule in rules:
-        position = 0
+        position = start
         while position <= len(text):
             match = rule.pattern.search(text, position, partial=not final)
             if match is None:
@@ -211,6 +226,9 @@ class OutputFilter:
 
     rules: tuple[Rule, ...]
     pending: str = ""
+    # The text's character before `pending`, already released: a blocklist word's start sees it, as it does in
+    # the whole text (at the start of the pending text, "notsecret!" matched "secret!" in a stream only).
+    before: str = ""
     released: list[str] = field(default_factory=list)
     blocked: Rule | None = None
     matches: list[Match] = field(default_factory=list)
@@ -219,7 +237,9 @@ class OutputFilter:
         if self.blocked is not None:
             return ""
         buffer = self.pending + text
-        found, hold = scan(self.rules, buffer, final)
+        lead = len(self.before)
+        found, hold = scan(self.rules, self.before + buffer, final, lead)
+        found, hold = [Match(m.start - lead, m.end - lead, m.rule) for m in found], hold - lead
         out: list[str] = []
         cursor = 0
         for match in found:
@@ -238,6 +258,7 @@ class OutputFilter:
             out.append(f"[REDACTED:{match.rule.name}]")
             cursor = match.end
         out.append(buffer[cursor:hold])
+        self.before = buffer[hold - 1] if hold > 0 else self.before
         self.pending = buffer[hold:]
         release = "".join(out)
         self.released.append(release)

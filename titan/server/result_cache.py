@@ -53,19 +53,23 @@ def replay_chunks(chunk_object: str, choices: list[dict[str, Any]]) -> Iterator[
     chat = chunk_object == "chat.completion.chunk"
     for choice in choices:
         index = choice["index"]
+        # vLLM's prompt_logprobs ride on a choice's first chunk, live and replayed alike (a hit dropped them).
+        extras = {"prompt_logprobs": choice["prompt_logprobs"]} if "prompt_logprobs" in choice else {}
         if chat:
             message = choice.get("message") or {}
             yield {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None}
             if message.get("content"):
                 yield {"index": index, "delta": {"content": message["content"]}, "logprobs": choice.get("logprobs"),
-                       "finish_reason": None}
+                       "finish_reason": None} | extras
+                extras = {}
             final: dict[str, Any] = {}
             if message.get("tool_calls"):
                 final["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            yield {"index": index, "delta": final, "logprobs": None, "finish_reason": choice.get("finish_reason")}
+            yield {"index": index, "delta": final, "logprobs": None,
+                   "finish_reason": choice.get("finish_reason")} | extras
         else:
-            if choice.get("text"):
-                yield {"index": index, "text": choice["text"], "logprobs": choice.get("logprobs"),
-                       "finish_reason": None}
+            if choice.get("text") or extras:
+                yield {"index": index, "text": choice.get("text") or "", "logprobs": choice.get("logprobs"),
+                       "finish_reason": None} | extras
             yield {"index": index, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
