@@ -154,7 +154,6 @@ class Guardrails:
     output_digest: str = ""  # of the output rules as configured: part of the caches' keys
 
 
-
 def load_guardrails(path: str | Path) -> Guardrails:
     try:
         document = yaml.safe_load(Path(path).read_text())
