@@ -93,8 +93,10 @@ def parse_tool_calls(text: str, choice: str | dict[str, Any], parser: str) -> tu
     if choice == "required" or isinstance(choice, dict):
         try:
             parsed = json.loads(text)
-        except json.JSONDecodeError:  # cut short by max_tokens: the call(s) as far as written, as streamed
-            return None, announced_calls(text, choice, parser)
+        except json.JSONDecodeError:
+            # Cut short by max_tokens: the call(s) as far as written, as streamed (each once its name is
+            # complete); whole, the raw JSON used to come back as `content` while the stream sent a call.
+            return None, _read_stream(text, choice, parser)[1]
         return None, [_openai_call(call["name"], call["arguments"]) for call in
                       (parsed if isinstance(parsed, list) else [parsed])]
     if parser == "llama3_json":
@@ -106,12 +108,6 @@ def parse_tool_calls(text: str, choice: str | dict[str, Any], parser: str) -> tu
     if not calls:
         return text, []
     return content.strip() or None, calls
-
-
-def announced_calls(text: str, choice: str | dict[str, Any], parser: str) -> list[dict[str, Any]]:
-    """The calls a stream of `text` sends: each once its name is complete, with the arguments written so far.
-    A forced call cut short by max_tokens came back whole as its raw JSON in `content`, streamed as a call."""
-    return _read_stream(text, choice, parser)[1]
 
 
 def _read_stream(text: str, choice: str | dict[str, Any], parser: str) -> tuple[str, list[dict[str, Any]]]:
